@@ -1,0 +1,141 @@
+"""Reading a Hugging Face config.json into KVGeometry fields.
+
+Rules:
+- `text_config` is used when present (multimodal wrappers).
+- head_dim: `head_dim`, else hidden_size // num_attention_heads. v_head_dim: `v_head_dim`,
+  else head_dim.
+- MLA when `kv_lora_rank` is present: one latent row of kv_lora_rank + qk_rope_head_dim,
+  head_num 1, replicated on every TP rank.
+- KV heads: the first present of num_key_value_heads, num_attention_heads; per rank
+  max(1, kv // tp), valid only when tp divides kv or kv divides tp.
+- Sliding-window layers ("swa" group): hybrid_layer_pattern[i] == 1, or
+  layer_types[i] == "sliding_attention", or (i + 1) % sliding_window_pattern != 0.
+  use_sliding_window: false means none. The swa group reads swa_num_key_value_heads,
+  swa_head_dim and swa_v_head_dim when present. Layers of other types in layer_types
+  (linear attention, mamba) hold no KV cache and belong to neither group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GROUPS = ("full", "swa")
+_FULL_TYPES = ("full_attention", "attention", "global_attention")
+
+
+def geometry_kwargs(config: dict[str, Any], *, tp_size: int, page_size: int, dtype: str, group: str) -> dict[str, Any]:
+    """KVGeometry keyword arguments for one group of `config`. Raises ValueError."""
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict, got {type(config).__name__}")
+    cfg = config.get("text_config") or config
+    if group not in GROUPS:
+        raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    dtype = _resolve_auto(dtype, cfg)
+    layer_num = _req_int(cfg, "num_hidden_layers")
+
+    if cfg.get("kv_lora_rank") is not None:
+        if group != "full":
+            raise ValueError(f"group {group!r} does not exist in an MLA model; it has only 'full'")
+        return dict(
+            attention="mla",
+            layer_num=layer_num,
+            layer_ids=tuple(range(layer_num)),
+            head_num=1,
+            kv_lora_rank=_req_int(cfg, "kv_lora_rank"),
+            qk_rope_head_dim=_opt_int(cfg, "qk_rope_head_dim") or 0,
+            page_size=page_size,
+            dtype=dtype,
+        )
+
+    full_ids, swa_ids = _split_layers(cfg, layer_num)
+    ids = full_ids if group == "full" else swa_ids
+    if not ids:
+        raise ValueError(f"group {group!r} has no layers in this model (model type {cfg.get('model_type')!r})")
+
+    attn_heads = _opt_int(cfg, "num_attention_heads")
+    head_dim = _opt_int(cfg, "head_dim")
+    if head_dim is None:
+        if attn_heads is None or attn_heads < 1:
+            raise ValueError(f"config has no head_dim and num_attention_heads is {attn_heads!r}")
+        head_dim = _req_int(cfg, "hidden_size") // attn_heads
+    v_head_dim = _opt_int(cfg, "v_head_dim") or head_dim
+    kv_heads = _opt_int(cfg, "num_key_value_heads") or attn_heads
+    if kv_heads is None:
+        raise ValueError("config has neither num_key_value_heads nor num_attention_heads")
+    if group == "swa":
+        kv_heads = _opt_int(cfg, "swa_num_key_value_heads") or kv_heads
+        swa_head_dim = _opt_int(cfg, "swa_head_dim")
+        if swa_head_dim is not None:
+            v_head_dim, head_dim = swa_head_dim, swa_head_dim
+        v_head_dim = _opt_int(cfg, "swa_v_head_dim") or v_head_dim
+    return dict(
+        attention="mha",
+        layer_num=len(ids),
+        layer_ids=tuple(ids),
+        head_num=_heads_per_rank(kv_heads, tp_size),
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        page_size=page_size,
+        dtype=dtype,
+    )
+
+
+def _heads_per_rank(kv_heads: int, tp_size: int) -> int:
+    if kv_heads < 1:
+        raise ValueError(f"num_key_value_heads must be >= 1, got {kv_heads}")
+    if tp_size % kv_heads and kv_heads % tp_size:
+        raise ValueError(f"tp_size {tp_size} and {kv_heads} KV heads: one must divide the other")
+    return max(1, kv_heads // tp_size)
+
+
+def _split_layers(cfg: dict[str, Any], layer_num: int) -> tuple[list[int], list[int]]:
+    """(full-attention layer ids, sliding-window layer ids)."""
+    layers = range(layer_num)
+    if cfg.get("use_sliding_window") is False:
+        return list(layers), []
+    pattern = cfg.get("hybrid_layer_pattern")
+    if pattern is not None:
+        _check_len("hybrid_layer_pattern", pattern, layer_num)
+        return [i for i in layers if pattern[i] != 1], [i for i in layers if pattern[i] == 1]
+    types = cfg.get("layer_types")
+    if types is not None:
+        _check_len("layer_types", types, layer_num)
+        full = [i for i in layers if types[i] in _FULL_TYPES]
+        return full, [i for i in layers if types[i] == "sliding_attention"]
+    every = cfg.get("sliding_window_pattern")
+    if every is not None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"sliding_window_pattern must be an int >= 1, got {every!r}")
+        return [i for i in layers if (i + 1) % every == 0], [i for i in layers if (i + 1) % every]
+    return list(layers), []
+
+
+def _resolve_auto(dtype: str, cfg: dict[str, Any]) -> str:
+    if dtype != "auto":
+        return dtype
+    model_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    return model_dtype if model_dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
+def _check_len(name: str, seq: Any, layer_num: int) -> None:
+    if not isinstance(seq, list) or len(seq) != layer_num:
+        got = len(seq) if isinstance(seq, list) else type(seq).__name__
+        raise ValueError(f"{name} must be a list of num_hidden_layers={layer_num} entries, got {got}")
+
+
+def _opt_int(cfg: dict[str, Any], key: str) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"config {key} must be an int, got {value!r}")
+    return value
+
+
+def _req_int(cfg: dict[str, Any], key: str) -> int:
+    value = _opt_int(cfg, key)
+    if value is None:
+        raise ValueError(f"config is missing {key}")
+    return value

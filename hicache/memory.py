@@ -1,0 +1,187 @@
+"""How memory is allocated and shared. The only module that knows.
+
+- CPU: POSIX shared memory (a file under /dev/shm, mode 0600, unpredictable name),
+  mapped as a flat uint8 tensor that another process can map by name.
+- CUDA device memory: one cudaMalloc per pool through cupy, exportable with CUDA IPC
+  (handle + offset from the allocation base).
+- CUDA host memory: the shared-memory mapping is page-locked with cudaHostRegister.
+
+Everything else sees `SharedBuffer.tensor`, a flat uint8 tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import tempfile
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+ShmKind = Literal["shm", "cuda_ipc", "local"]
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+SHM_PREFIX = "hicache-"
+
+
+def shm_dir() -> str:
+    """Directory that backs POSIX shared memory (/dev/shm on Linux)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class MemoryHandle:
+    """What another process needs to map a SharedBuffer."""
+
+    kind: ShmKind
+    nbytes: int
+    name: str = ""  # shm segment name
+    ipc_handle: bytes = b""  # cudaIpcMemHandle_t bytes
+    offset: int = 0  # bytes from the allocation base
+
+
+class SharedBuffer:
+    """A flat uint8 tensor plus what it takes to share and release it."""
+
+    def __init__(self, tensor: torch.Tensor, handle: MemoryHandle, release: Callable[[], None]):
+        assert tensor.dtype == torch.uint8 and tensor.dim() == 1 and tensor.numel() == handle.nbytes
+        self.tensor = tensor
+        self.handle = handle
+        self._finalizer = weakref.finalize(self, release)
+
+    @property
+    def nbytes(self) -> int:
+        return self.handle.nbytes
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Release the memory (unlink / unregister / close the IPC mapping). Idempotent."""
+        self._finalizer()
+
+
+def _check_nbytes(nbytes: int) -> None:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+        raise ValueError(f"nbytes must be an int >= 1, got {nbytes!r}")
+
+
+def create_shm(nbytes: int) -> SharedBuffer:
+    """Create a new shared-memory segment, mode 0600, unlinked on close or at exit."""
+    _check_nbytes(nbytes)
+    name = SHM_PREFIX + secrets.token_hex(12)
+    path = os.path.join(shm_dir(), name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    tensor.zero_()  # fault every page in now, not on the first transfer
+    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: _unlink(path))
+
+
+def open_shm(name: str, nbytes: int) -> SharedBuffer:
+    """Map an existing segment created by create_shm in another process.
+
+    Raises ValueError for a malformed name or a size mismatch, FileNotFoundError if absent.
+    """
+    _check_nbytes(nbytes)
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"invalid shared-memory name {name!r}")
+    path = os.path.join(shm_dir(), name)
+    size = os.stat(path).st_size
+    if size != nbytes:
+        raise ValueError(f"shared memory {name!r} holds {size} bytes, expected {nbytes}")
+    tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: None)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _cupy() -> Any:
+    import cupy  # type: ignore[import-not-found]
+
+    return cupy
+
+
+def alloc_device(nbytes: int, device: str) -> SharedBuffer:
+    """Allocate a device pool's memory: shared memory on "cpu", one exportable cudaMalloc on "cuda"."""
+    if device == "cpu":
+        return create_shm(nbytes)
+    if not str(device).startswith("cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    _check_nbytes(nbytes)
+    if not cuda_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    cp = _cupy()
+    index = torch.device(device).index or 0
+    with cp.cuda.Device(index):
+        mem = cp.cuda.Memory(nbytes)  # a plain cudaMalloc: IPC-exportable, offset 0
+        array = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
+        handle = bytes(cp.cuda.runtime.ipcGetMemHandle(mem.ptr))
+    tensor = torch.as_tensor(array, device=f"cuda:{index}")
+    keep = [mem, array]
+    return SharedBuffer(tensor, MemoryHandle("cuda_ipc", nbytes, ipc_handle=handle), keep.clear)
+
+
+def open_cuda_ipc(handle: MemoryHandle, device: str = "cuda") -> SharedBuffer:
+    """Open device memory exported by alloc_device in another process."""
+    if handle.kind != "cuda_ipc":
+        raise ValueError(f"expected a cuda_ipc handle, got kind {handle.kind!r}")
+    cp = _cupy()
+    index = torch.device(device).index or 0
+    with cp.cuda.Device(index):
+        base = cp.cuda.runtime.ipcOpenMemHandle(handle.ipc_handle)
+        mem = cp.cuda.UnownedMemory(base, handle.offset + handle.nbytes, None)
+        array = cp.ndarray((handle.nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, handle.offset))
+    tensor = torch.as_tensor(array, device=f"cuda:{index}")
+    return SharedBuffer(tensor, handle, lambda: cp.cuda.runtime.ipcCloseMemHandle(base))
+
+
+def pin_host(buffer: SharedBuffer) -> bool:
+    """Page-lock a host buffer for fast DMA when CUDA is present. Returns whether it pinned."""
+    if not cuda_available():
+        return False
+    try:
+        cp = _cupy()
+    except ImportError:
+        return False
+    ptr = buffer.tensor.data_ptr()
+    cp.cuda.runtime.hostRegister(ptr, buffer.nbytes, 0)
+    release = buffer._finalizer.detach()
+    assert release is not None
+    _, unlink, _, _ = release
+
+    def _release() -> None:
+        cp.cuda.runtime.hostUnregister(ptr)
+        unlink()
+
+    buffer._finalizer = weakref.finalize(buffer, _release)
+    return True
+
+
+def local_buffer(nbytes: int) -> SharedBuffer:
+    """Private (unshared) memory, for tests and single-process use."""
+    _check_nbytes(nbytes)
+    return SharedBuffer(torch.zeros(nbytes, dtype=torch.uint8), MemoryHandle("local", nbytes), lambda: None)
+
+
+def wrap_tensor(tensor: torch.Tensor) -> SharedBuffer:
+    """View an existing flat uint8 tensor as an unshared buffer (the caller keeps ownership)."""
+    if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
+        raise ValueError(f"expected a contiguous 1-D uint8 tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    return SharedBuffer(tensor, MemoryHandle("local", tensor.numel()), lambda: None)

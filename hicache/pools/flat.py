@@ -1,0 +1,100 @@
+"""The common part of the device and host pools: a flat byte buffer plus a layout."""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.geometry import KVGeometry
+from hicache.memory import MemoryHandle, SharedBuffer, local_buffer, wrap_tensor
+from hicache.pools.layouts import Layout, canonical_page_layout
+
+
+class FlatPool:
+    """num_pages pages of `geometry` in one flat uint8 buffer, addressed by `layout`."""
+
+    def __init__(self, geometry: KVGeometry, layout: Layout, memory: SharedBuffer):
+        if memory.nbytes != layout.nbytes:
+            raise ValueError(
+                f"memory holds {memory.nbytes} bytes but {layout!r} of this geometry needs {layout.nbytes}"
+            )
+        self.geometry = geometry
+        self.layout = layout
+        self.memory = memory
+
+    @property
+    def num_pages(self) -> int:
+        return self.layout.num_pages
+
+    @property
+    def nbytes(self) -> int:
+        """Exactly num_pages * geometry.page_bytes."""
+        return self.memory.nbytes
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The whole pool as a flat uint8 tensor."""
+        return self.memory.tensor
+
+    @property
+    def handle(self) -> MemoryHandle:
+        return self.memory.handle
+
+    def chunks(self, buffer: int, page: int, layer: int, pages: int = 1, layers: int = 1) -> torch.Tensor:
+        """A uint8 view of `pages` consecutive pages x `layers` consecutive layers of one buffer.
+
+        Shape: [pages, layers, page_size, row_bytes]. Writes through to the pool.
+        """
+        s = self.layout.strides[buffer]
+        return torch.as_strided(
+            self.flat,
+            (pages, layers, self.geometry.page_size, s.row_bytes),
+            (s.page_stride, s.layer_stride, s.token_stride, 1),
+            s.offset(page, layer),
+        )
+
+    def read_page(self, page: int) -> torch.Tensor:
+        """One page as a flat uint8 tensor of page_bytes, in the canonical page format
+        (page_first_direct order), whatever this pool's layout. Raises ValueError."""
+        self._check_page(page)
+        out = FlatPool(self.geometry, canonical_page_layout(self.geometry), local_buffer(self.geometry.page_bytes))
+        _copy_page(self, page, out, 0)
+        return out.flat
+
+    def write_page(self, page: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
+        """Write one canonical flat page (page_bytes) into `page`. Raises ValueError."""
+        self._check_page(page)
+        src = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if src.dtype != torch.uint8 or src.dim() != 1 or src.numel() != self.geometry.page_bytes:
+            raise ValueError(
+                f"page data must be {self.geometry.page_bytes} uint8 bytes, got {src.numel()} "
+                f"of {src.dtype}, shape {tuple(src.shape)}"
+            )
+        page_pool = FlatPool(self.geometry, canonical_page_layout(self.geometry), wrap_tensor(src.contiguous()))
+        _copy_page(page_pool, 0, self, page)
+
+    def _check_page(self, page: int) -> None:
+        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page!r} out of range [0, {self.num_pages})")
+
+    def check_integrity(self) -> None:
+        """Assert that the memory, the layout and the geometry agree."""
+        g = self.geometry
+        assert self.nbytes == self.num_pages * g.page_bytes, (self.nbytes, self.num_pages, g.page_bytes)
+        assert self.flat.numel() == self.nbytes and self.flat.dtype == torch.uint8
+        assert not self.memory.closed, "pool memory is closed"
+        spans = []
+        for i, s in enumerate(self.layout.strides):
+            last = s.offset(self.num_pages - 1, g.layer_num - 1) + (g.page_size - 1) * s.token_stride
+            assert last + s.row_bytes <= self.nbytes, f"buffer {g.buffers[i].name} runs past the pool end"
+            spans.append(s.row_bytes)
+        assert sum(spans) == g.layer_row_bytes
+
+    def close(self) -> None:
+        """Release the pool's memory. The pool is unusable afterwards."""
+        self.memory.close()
+
+
+def _copy_page(src: FlatPool, src_page: int, dst: FlatPool, dst_page: int) -> None:
+    layers = src.geometry.layer_num
+    for b in range(len(src.geometry.buffers)):
+        dst.chunks(b, dst_page, 0, 1, layers).copy_(src.chunks(b, src_page, 0, 1, layers))

@@ -1,0 +1,100 @@
+"""Validated page lists, coalesced into runs: what every copy path executes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+PageList = Sequence[int] | np.ndarray | Any  # also accepts a 1-D integer torch tensor
+
+
+def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
+    """`pages` as a 1-D int64 array, each in [0, limit) and unique. Raises ValueError."""
+    if hasattr(pages, "detach"):  # a torch tensor
+        pages = pages.detach().cpu().numpy()
+    arr = np.asarray(pages)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D list of page indices, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    bad = arr[(arr < 0) | (arr >= limit)]
+    if bad.size:
+        raise ValueError(f"{name} has page {int(bad[0])} out of range [0, {limit})")
+    uniq, counts = np.unique(arr, return_counts=True)
+    if uniq.size != arr.size:
+        raise ValueError(f"{name} has duplicate page {int(uniq[counts > 1][0])}")
+    return arr
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """src_pages[i] is copied to dst_pages[i] for the layers in `layer_runs`.
+
+    runs: (src_start, dst_start, count) of page runs adjacent on both sides.
+    layer_runs: (first, count) of consecutive pool-local layers.
+    """
+
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    runs: tuple[tuple[int, int, int], ...]
+    layers: tuple[int, ...]
+    layer_runs: tuple[tuple[int, int], ...]
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.src_pages.size)
+
+
+def make_plan(
+    src_pages: PageList,
+    src_limit: int,
+    dst_pages: PageList,
+    dst_limit: int,
+    layer_num: int,
+    layers: Sequence[int] | None = None,
+    names: tuple[str, str] = ("src_pages", "dst_pages"),
+) -> TransferPlan:
+    """Validate both page lists and the layer list, then coalesce. Raises ValueError."""
+    src = as_pages(names[0], src_pages, src_limit)
+    dst = as_pages(names[1], dst_pages, dst_limit)
+    if src.size != dst.size:
+        raise ValueError(f"{names[0]} has {src.size} pages but {names[1]} has {dst.size}")
+    layer_list = _as_layers(layers, layer_num)
+    order = np.argsort(src, kind="stable")
+    s, d = src[order], dst[order]
+    runs: list[tuple[int, int, int]] = []
+    if s.size:
+        breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [s.size]))
+        runs = [(int(s[a]), int(d[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
+    return TransferPlan(src, dst, tuple(runs), layer_list, _layer_runs(layer_list))
+
+
+def _as_layers(layers: Sequence[int] | None, layer_num: int) -> tuple[int, ...]:
+    if layers is None:
+        return tuple(range(layer_num))
+    out = []
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < layer_num:
+            raise ValueError(f"layer {layer!r} out of range [0, {layer_num})")
+        out.append(int(layer))
+    if len(set(out)) != len(out):
+        raise ValueError(f"layers has duplicates: {out}")
+    return tuple(sorted(out))
+
+
+def _layer_runs(layers: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    runs: list[tuple[int, int]] = []
+    for layer in layers:
+        if runs and runs[-1][0] + runs[-1][1] == layer:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((layer, 1))
+    return tuple(runs)

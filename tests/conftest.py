@@ -1,0 +1,17 @@
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CONFIG_DIR = Path(__file__).parent / "fixtures" / "model_configs"
+CONFIG_NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load_config(name: str) -> dict[str, Any]:
+    return json.loads((CONFIG_DIR / f"{name}.json").read_text())
+
+
+@pytest.fixture
+def mimo_config() -> dict[str, Any]:
+    return load_config("mimo_v2_flash")

@@ -1,0 +1,23 @@
+"""Shared test helpers: filling pools with random bytes and comparing pages byte for byte."""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.pools.flat import FlatPool
+
+
+def fill_random(pool: FlatPool, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pool.flat.copy_(torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8, generator=gen))
+
+
+def page_bytes(pool: FlatPool, page: int, layers: list[int] | None = None) -> list[torch.Tensor]:
+    """Every (layer, buffer) chunk of one page, as uint8 tensors (NaN-safe to compare)."""
+    g = pool.geometry
+    layer_list = range(g.layer_num) if layers is None else layers
+    return [pool.chunks(b, page, layer).clone() for layer in layer_list for b in range(len(g.buffers))]
+
+
+def same_page(a: FlatPool, pa: int, b: FlatPool, pb: int, layers: list[int] | None = None) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(page_bytes(a, pa, layers), page_bytes(b, pb, layers), strict=True))

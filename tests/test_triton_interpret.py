@@ -1,0 +1,33 @@
+"""Triton kernels on the CPU under TRITON_INTERPRET=1, checked against the torch path."""
+
+import os
+
+import pytest
+from conftest import load_config
+from test_transfer import roundtrip
+
+from hicache import KVGeometry
+from hicache.pools import LAYOUTS
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "fp4_e2m1"])
+def test_triton_matches_torch_mimo(layout, dtype):
+    g = KVGeometry.from_hf_config(load_config("mimo_v2_flash"), page_size=2, dtype=dtype)
+    g = KVGeometry(**dict(g.to_dict(), layer_num=3, layer_ids=g.layer_ids[:3]))
+    roundtrip(g, layout, backend="triton")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_mla(layout):
+    g = KVGeometry(attention="mla", layer_num=2, head_num=1, kv_lora_rank=64, qk_rope_head_dim=16, page_size=3)
+    roundtrip(g, layout, backend="triton")
+
+
+def test_triton_odd_widths_use_byte_words():
+    g = KVGeometry(layer_num=2, head_num=3, head_dim=5, v_head_dim=3, page_size=3, dtype="float8_e5m2")
+    for layout in LAYOUTS:
+        roundtrip(g, layout, backend="triton")
