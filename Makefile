@@ -20,7 +20,8 @@ demo: $(STAMP)
 	$(VENV)/bin/hicache demo
 
 test: $(STAMP)
-	$(PY) -m ruff check hicache tests benchmarks
+	$(PY) -m ruff check hicache tests benchmarks server
+	$(PY) -m ruff format --check hicache tests benchmarks server
 	$(PY) -m mypy
 	@rc=0; TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc

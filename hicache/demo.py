@@ -31,7 +31,9 @@ def model_geometries(config: dict[str, Any], *, tp_size: int, page_size: int, dt
     out = {}
     for group in GROUPS:
         try:
-            out[group] = KVGeometry.from_hf_config(config, tp_size=tp_size, page_size=page_size, dtype=dtype, group=group)
+            out[group] = KVGeometry.from_hf_config(
+                config, tp_size=tp_size, page_size=page_size, dtype=dtype, group=group
+            )
         except ValueError as exc:
             if group == "full" or "has no layers" not in str(exc) and "does not exist" not in str(exc):
                 raise
@@ -41,10 +43,12 @@ def model_geometries(config: dict[str, Any], *, tp_size: int, page_size: int, dt
 def print_geometry(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     for group, g in model_geometries(config, tp_size=args.tp_size, page_size=args.page_size, dtype=args.dtype).items():
-        print(f"[{group}] {g.attention} layers={g.layer_num} heads={g.head_num} head_dim={g.head_dim} "
-              f"v_head_dim={g.v_head_dim} dtype={g.dtype} k_row_bytes={g.k_row_bytes} "
-              f"v_row_bytes={g.v_row_bytes} token_bytes={g.token_bytes} page_bytes={g.page_bytes} "
-              f"fingerprint={g.fingerprint}")
+        print(
+            f"[{group}] {g.attention} layers={g.layer_num} heads={g.head_num} head_dim={g.head_dim} "
+            f"v_head_dim={g.v_head_dim} dtype={g.dtype} k_row_bytes={g.k_row_bytes} "
+            f"v_row_bytes={g.v_row_bytes} token_bytes={g.token_bytes} page_bytes={g.page_bytes} "
+            f"fingerprint={g.fingerprint}"
+        )
     return 0
 
 
@@ -58,6 +62,10 @@ def _attention(pool: DeviceKVPool, layer: int, slots: torch.Tensor, q: torch.Ten
     q = q[..., : k.shape[-1]]
     scores = torch.einsum("hd,thd->ht", q.expand(k.shape[1], -1), k) / k.shape[-1] ** 0.5
     return torch.einsum("ht,thd->hd", scores.softmax(-1), v)
+
+
+def _slots(g: KVGeometry, pages: np.ndarray) -> torch.Tensor:
+    return torch.cat([torch.arange(int(p) * g.page_size, (int(p) + 1) * g.page_size) for p in pages])
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -80,11 +88,14 @@ def run_demo(args: argparse.Namespace) -> int:
         src_pages = rng.permutation(args.device_pages)[:n]
         host_pages = rng.permutation(args.host_pages)[:n]
         dst_pages = rng.permutation(args.device_pages)[:n]
-        slots = lambda pages: torch.cat([torch.arange(p * g.page_size, (p + 1) * g.page_size) for p in pages])  # noqa: E731
         check_attention = g.dtype in ("bfloat16", "float16", "float32")
         q = torch.randn(max(g.head_dim or 1, 1), generator=gen)
-        before_pages = [dev.chunks(b, int(p), 0, 1, g.layer_num).clone() for p in src_pages for b in range(len(g.buffers))]
-        before_attn = [_attention(dev, layer, slots(src_pages), q) for layer in range(g.layer_num)] if check_attention else []
+        before_pages = [
+            dev.chunks(b, int(p), 0, 1, g.layer_num).clone() for p in src_pages for b in range(len(g.buffers))
+        ]
+        before_attn = (
+            [_attention(dev, layer, _slots(g, src_pages), q) for layer in range(g.layer_num)] if check_attention else []
+        )
 
         t0 = time.perf_counter()
         moved_out = engine.offload(src_pages, host_pages)
@@ -96,13 +107,25 @@ def run_demo(args: argparse.Namespace) -> int:
 
         after_pages = [dev.chunks(b, int(p), 0, 1, g.layer_num) for p in dst_pages for b in range(len(g.buffers))]
         bad_pages = sum(not torch.equal(a, b) for a, b in zip(before_pages, after_pages, strict=True))
-        after_attn = [_attention(dev, layer, slots(dst_pages), q) for layer in range(g.layer_num)] if check_attention else []
+        after_attn = (
+            [_attention(dev, layer, _slots(g, dst_pages), q) for layer in range(g.layer_num)] if check_attention else []
+        )
         bad_attn = sum(not torch.equal(a, b) for a, b in zip(before_attn, after_attn, strict=True))
         dev.check_integrity()
         host.check_integrity()
         failures += bad_pages + bad_attn
-        rows.append((group, g, n, moved_out / (t1 - t0) / 1e9, moved_in / (t3 - t2) / 1e9, bad_pages, bad_attn,
-                     len(before_attn)))
+        rows.append(
+            (
+                group,
+                g,
+                n,
+                moved_out / (t1 - t0) / 1e9,
+                moved_in / (t3 - t2) / 1e9,
+                bad_pages,
+                bad_attn,
+                len(before_attn),
+            )
+        )
         dev.close()
         host.close()
 
@@ -112,8 +135,10 @@ def run_demo(args: argparse.Namespace) -> int:
     print("-" * len(header))
     for group, g, pages, out_gbps, in_gbps, bad_pages, bad_attn, attn in rows:
         dims = f"{g.head_dim}/{g.v_head_dim}"
-        print(f"{group:6} {g.layer_num:>6} {dims:>9} {g.page_bytes / 1024:>9.0f} {pages:>6} {out_gbps:>13.2f} "
-              f"{in_gbps:>12.2f} {pages * len(g.buffers) - bad_pages:>4}/{pages * len(g.buffers):<4} "
-              f"{attn - bad_attn:>3}/{attn:<3}")
+        print(
+            f"{group:6} {g.layer_num:>6} {dims:>9} {g.page_bytes / 1024:>9.0f} {pages:>6} {out_gbps:>13.2f} "
+            f"{in_gbps:>12.2f} {pages * len(g.buffers) - bad_pages:>4}/{pages * len(g.buffers):<4} "
+            f"{attn - bad_attn:>3}/{attn:<3}"
+        )
     print("verified: all pages bit-exact" if failures == 0 else f"FAILED: {failures} mismatches")
     return 0 if failures == 0 else 1
