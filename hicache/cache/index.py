@@ -1,0 +1,199 @@
+"""HostIndex: key -> host page, with LRU eviction, pins and references. No torch.
+
+A page is in exactly one state:
+- free:     in the free list;
+- reserved: handed out by allocate() and not yet bound to a key (a copy is filling it);
+- bound:    holds a key. A bound entry with pins == 0 and refs == 0 is evictable and sits
+            in the LRU order; a pinned or referenced one is kept out of it, so eviction
+            pops the oldest evictable key in O(1).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+class _Entry:
+    __slots__ = ("page", "pins", "refs")
+
+    def __init__(self, page: int):
+        self.page = page
+        self.pins = 0
+        self.refs = 0
+
+
+class HostIndex:
+    """Which key each host page holds. Not thread-safe: the owner serialises calls.
+
+    Raises KeyError for unknown keys and ValueError for bad pages or counts. "No space"
+    is a None return from allocate(), not an exception.
+    """
+
+    def __init__(self, num_pages: int):
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
+        self.num_pages = num_pages
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low pages first
+        self._reserved: set[int] = set()
+        self._entries: dict[bytes, _Entry] = {}
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # evictable keys, oldest first
+
+    # ---- queries ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def evictable_pages(self) -> int:
+        return len(self._lru)
+
+    def page_of(self, key: bytes) -> int | None:
+        """The page holding `key`, or None. Does not touch the LRU order."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.page
+
+    def pins(self, key: bytes) -> int:
+        return self._entry(key).pins
+
+    def refs(self, key: bytes) -> int:
+        return self._entry(key).refs
+
+    def prefix_length(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, are resident."""
+        n = 0
+        for key in keys:
+            if key not in self._entries:
+                break
+            n += 1
+        return n
+
+    def keys(self) -> list[bytes]:
+        return list(self._entries)
+
+    # ---- allocation -------------------------------------------------------------------------
+    def allocate(self, n: int) -> tuple[list[int], list[tuple[bytes, int]]] | None:
+        """Reserve n pages, evicting least-recently-used keys if needed.
+
+        Returns (pages, evicted (key, page) pairs), or None, with nothing changed, when
+        free + evictable pages < n. The evicted pages are among the returned ones: a
+        caller that keeps evicted data (write-back) must read it before overwriting.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"page count must be an int >= 0, got {n!r}")
+        if n > len(self._free) + len(self._lru):
+            return None
+        evicted = []
+        while len(self._free) < n:
+            key, _ = self._lru.popitem(last=False)
+            page = self._entries.pop(key).page
+            self._free.append(page)
+            evicted.append((key, page))
+        pages = [self._free.pop() for _ in range(n)]
+        self._reserved.update(pages)
+        return pages, evicted
+
+    def bind(self, key: bytes, page: int) -> None:
+        """Give reserved `page` the key `key`; it becomes the most recently used."""
+        if not isinstance(key, bytes) or not key:
+            raise ValueError(f"key must be non-empty bytes, got {key!r}")
+        if key in self._entries:
+            raise ValueError(f"key {key.hex()} is already resident in page {self._entries[key].page}")
+        if page not in self._reserved:
+            raise ValueError(f"page {page} is not reserved")
+        self._reserved.remove(page)
+        self._entries[key] = _Entry(page)
+        self._lru[key] = None
+
+    def release(self, pages: Iterable[int]) -> None:
+        """Return reserved pages that were never bound (a failed or abandoned copy)."""
+        pages = list(pages)
+        for page in pages:
+            if page not in self._reserved:
+                raise ValueError(f"page {page} is not reserved")
+        for page in pages:
+            self._reserved.remove(page)
+            self._free.append(page)
+
+    def remove(self, key: bytes) -> int:
+        """Drop `key` and free its page. Raises KeyError if absent, ValueError if pinned or
+        referenced."""
+        entry = self._entry(key)
+        if entry.pins or entry.refs:
+            raise ValueError(f"key {key.hex()} is pinned ({entry.pins}) or referenced ({entry.refs})")
+        del self._entries[key]
+        del self._lru[key]
+        self._free.append(entry.page)
+        return entry.page
+
+    def evict(self, n: int) -> list[tuple[bytes, int]]:
+        """Free up to n pages of the least recently used evictable keys; returns them."""
+        out: list[tuple[bytes, int]] = []
+        while len(out) < n and self._lru:
+            key, _ = self._lru.popitem(last=False)
+            page = self._entries.pop(key).page
+            self._free.append(page)
+            out.append((key, page))
+        return out
+
+    # ---- recency, pins and references -------------------------------------------------------
+    def touch(self, key: bytes) -> None:
+        """Mark `key` most recently used."""
+        self._entry(key)  # raises KeyError if absent
+        if key in self._lru:  # pinned/referenced keys rejoin the order at the end when released
+            self._lru.move_to_end(key)
+
+    def pin(self, key: bytes) -> None:
+        """Protect `key` from eviction until a matching unpin()."""
+        self._entry(key).pins += 1
+        self._lru.pop(key, None)
+
+    def unpin(self, key: bytes) -> None:
+        entry = self._entry(key)
+        if entry.pins == 0:
+            raise ValueError(f"key {key.hex()} is not pinned")
+        entry.pins -= 1
+        self._maybe_evictable(key, entry)
+
+    def ref(self, key: bytes) -> int:
+        """Hold `key` for an in-flight read; returns its page."""
+        entry = self._entry(key)
+        entry.refs += 1
+        self._lru.pop(key, None)
+        return entry.page
+
+    def unref(self, key: bytes) -> None:
+        entry = self._entry(key)
+        if entry.refs == 0:
+            raise ValueError(f"key {key.hex()} is not referenced")
+        entry.refs -= 1
+        self._maybe_evictable(key, entry)
+
+    def _maybe_evictable(self, key: bytes, entry: _Entry) -> None:
+        if entry.pins == 0 and entry.refs == 0:
+            self._lru[key] = None  # most recently used
+
+    def _entry(self, key: bytes) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            shown = key.hex() if isinstance(key, bytes) else repr(key)
+            raise KeyError(f"key {shown} is not resident")
+        return entry
+
+    # ---- invariants -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Assert free + reserved + bound == total, and that index and pages agree."""
+        bound = [e.page for e in self._entries.values()]
+        assert len(self._free) + len(self._reserved) + len(bound) == self.num_pages
+        every = set(self._free) | self._reserved | set(bound)
+        assert every == set(range(self.num_pages)), "a page is lost or held twice"
+        for key, entry in self._entries.items():
+            assert entry.pins >= 0 and entry.refs >= 0
+            assert (key in self._lru) == (entry.pins == 0 and entry.refs == 0), key.hex()
+        assert all(k in self._entries for k in self._lru)
