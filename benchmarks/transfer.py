@@ -73,11 +73,27 @@ def median_seconds(fn: Callable[[], Any], repeat: int, device: str) -> float:
     return statistics.median(times)
 
 
+def interleaved(fns: dict[str, Callable[[], Any]], repeat: int, device: str) -> dict[str, list[float]]:
+    """Wall times of each fn over `repeat` rounds, the fns run in turn within a round."""
+    for fn in fns.values():
+        fn()
+    _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def token_rows(pool: FlatPool, buffer: int) -> torch.Tensor:
-    """A [layers, slots, row_bytes] uint8 view of one buffer (slot = page * page_size + token)."""
+    """A [layers, slots, row elements] view of one buffer (slot = page * page_size + token)."""
     g = pool.geometry
     view = pool.chunks(buffer, 0, 0, pool.num_pages, g.layer_num).permute(1, 0, 2, 3)
-    return view.flatten(1, 2)  # pages and tokens merge: page_stride == page_size * token_stride
+    rows = view.flatten(1, 2)  # pages and tokens merge: page_stride == page_size * token_stride
+    return rows.view(getattr(torch, g.buffers[buffer].storage_dtype))  # the pool's own element type
 
 
 def naive_copy(src: FlatPool, dst: FlatPool, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
@@ -86,9 +102,11 @@ def naive_copy(src: FlatPool, dst: FlatPool, src_pages: np.ndarray, dst_pages: n
     tok = torch.arange(ps)
     s_slots = (torch.as_tensor(src_pages)[:, None] * ps + tok).flatten()
     d_slots = (torch.as_tensor(dst_pages)[:, None] * ps + tok).flatten()
+    s_slots, d_slots = s_slots.to(src.flat.device), d_slots.to(dst.flat.device)
     for b in range(len(src.geometry.buffers)):
-        s_view, d_view = token_rows(src, b), token_rows(dst, b)
-        d_view.index_copy_(1, d_slots.to(d_view.device), s_view.index_select(1, s_slots.to(s_view.device)))
+        s_rows, d_rows = token_rows(src, b), token_rows(dst, b)
+        for layer in range(src.geometry.layer_num):  # per layer: [slots, row] like a pool's k_buffer
+            d_rows[layer].index_copy_(0, d_slots, s_rows[layer].index_select(0, s_slots).to(d_rows.device))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,20 +125,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = args.pages * g.page_bytes
     dev_bytes, host_bytes = device.flat[:nbytes], host.flat[:nbytes]
     dev_name = str(device.flat.device)
-    t_d2h = median_seconds(lambda: host_bytes.copy_(dev_bytes), args.repeat, dev_name)
-    t_h2d = median_seconds(lambda: dev_bytes.copy_(host_bytes), args.repeat, dev_name)
-    t_off = median_seconds(lambda: engine.offload(dev_pages, host_pages), args.repeat, dev_name)
-    t_rel = median_seconds(lambda: engine.reload(host_pages, dev_pages), args.repeat, dev_name)
+    # memcpy and engine runs alternate, so that a burst of load elsewhere hits both alike;
+    # each ratio is the median of per-round ratios.
+    rounds = interleaved(
+        {
+            "d2h": lambda: host_bytes.copy_(dev_bytes),
+            "offload": lambda: engine.offload(dev_pages, host_pages),
+            "h2d": lambda: dev_bytes.copy_(host_bytes),
+            "reload": lambda: engine.reload(host_pages, dev_pages),
+        },
+        args.repeat,
+        dev_name,
+    )
     gb = nbytes / 1e9
+    med = {k: statistics.median(v) for k, v in rounds.items()}
     out: dict[str, Any] = {
-        "offload_gbps": gb / t_off,
-        "reload_gbps": gb / t_rel,
-        "memcpy_gbps": gb / statistics.mean([t_d2h, t_h2d]),
-        "memcpy_d2h_gbps": gb / t_d2h,
-        "memcpy_h2d_gbps": gb / t_h2d,
-        "offload_ratio": t_d2h / t_off,
-        "reload_ratio": t_h2d / t_rel,
+        "offload_gbps": gb / med["offload"],
+        "reload_gbps": gb / med["reload"],
+        "memcpy_gbps": gb / statistics.median(rounds["d2h"] + rounds["h2d"]),
+        "memcpy_d2h_gbps": gb / med["d2h"],
+        "memcpy_h2d_gbps": gb / med["h2d"],
+        "offload_ratio": statistics.median(m / e for m, e in zip(rounds["d2h"], rounds["offload"], strict=True)),
+        "reload_ratio": statistics.median(m / e for m, e in zip(rounds["h2d"], rounds["reload"], strict=True)),
     }
+    t_d2h, t_h2d = med["d2h"], med["h2d"]
     if not args.no_naive:
         naive_repeat = max(1, min(3, args.repeat))
         t_noff = median_seconds(lambda: naive_copy(device, host, dev_pages, host_pages), naive_repeat, dev_name)
