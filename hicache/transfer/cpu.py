@@ -62,17 +62,15 @@ def split_shares(
     target = -(-total // shares)
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
     for d, s in zip(dsts, srcs, strict=True):
-        pieces.extend(_cut(d, s, target))
-    out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], [])]
-    filled = 0
+        pieces.extend(_cut(d, s, max(1, target // 2)))
+    out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(shares)]
+    start = 0
     for d, s in pieces:
-        if filled >= target and len(out) < shares:
-            out.append(([], []))
-            filled = 0
-        out[-1][0].append(d)
-        out[-1][1].append(s)
-        filled += d.numel()
-    return out
+        share = min(shares - 1, (start + d.numel() // 2) // target)  # the share holding its midpoint
+        out[share][0].append(d)
+        out[share][1].append(s)
+        start += d.numel()
+    return [share for share in out if share[0]]
 
 
 def _cut(d: torch.Tensor, s: torch.Tensor, target: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
