@@ -7,7 +7,7 @@ from helpers import fill_random, same_page
 
 from hicache import DeviceKVPool, HostKVPool, KVGeometry, TransferEngine
 from hicache.pools import LAYOUTS
-from hicache.transfer.cpu import CpuCopier, copy_views, split_shares
+from hicache.transfer.cpu import CpuCopier, copy_views, full_views, split_shares
 from hicache.transfer.cuda import choose_path, copy_segments, memcpy_segments
 
 
@@ -20,7 +20,7 @@ def test_split_shares_covers_every_byte_once():
     dev, host = DeviceKVPool(g, 12), HostKVPool(g, 12, "page_first")
     engine = TransferEngine(dev, host)
     plan = engine.offload_plan([0, 1, 2, 3, 4, 5, 9], [6, 7, 8, 9, 10, 11, 0])  # one long run, one single
-    dsts, srcs = copy_views(dev, host, plan)
+    dsts, srcs = copy_views(full_views(dev), full_views(host), plan)
     shares = split_shares(dsts, srcs, 3)
     assert len(shares) == 3
     sizes = [sum(d.numel() for d in share[0]) for share in shares]

@@ -22,27 +22,46 @@ from hicache.transfer.plan import TransferPlan
 INLINE_BYTES = 1 << 20  # below this a transfer runs in the calling thread
 
 
+def full_views(pool: FlatPool) -> tuple[torch.Tensor, ...]:
+    """Per buffer, the whole pool as one [pages, layers, page_size, row_bytes] uint8 view."""
+    g = pool.geometry
+    return tuple(pool.chunks(b, 0, 0, pool.num_pages, g.layer_num) for b in range(len(g.buffers)))
+
+
 def copy_views(
-    src: FlatPool, dst: FlatPool, plan: TransferPlan, layer_runs: Sequence[tuple[int, int]] | None = None
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    plan: TransferPlan,
+    layer_runs: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The (destination, source) view pairs that carry out `plan`, layer run by layer run.
 
-    `layer_runs` (default plan.layer_runs) restricts the copy to those (first, count) runs.
-    Each view has shape [pages, layers, page_size, row_bytes], uint8.
+    `src`/`dst` are the pools' full_views. `layer_runs` (default plan.layer_runs) restricts
+    the copy to those (first, count) runs. A single page gives a [layers, page_size,
+    row_bytes] view, a page run [pages, layers, page_size, row_bytes]. (Indexing the cached
+    full views costs a third of building each view with as_strided.)
     """
+    assert len(src) == len(dst) and src and src[0].dim() == 4
+    layer_num = src[0].shape[1]
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
     for first, count in plan.layer_runs if layer_runs is None else layer_runs:
+        layers = slice(first, first + count)
+        whole = count == layer_num
         for s_page, d_page, n in plan.runs:
-            for b in range(len(src.geometry.buffers)):
-                dsts.append(dst.chunks(b, d_page, first, n, count))
-                srcs.append(src.chunks(b, s_page, first, n, count))
+            for s_full, d_full in zip(src, dst, strict=True):
+                if n == 1:
+                    dsts.append(d_full[d_page] if whole else d_full[d_page, layers])
+                    srcs.append(s_full[s_page] if whole else s_full[s_page, layers])
+                else:
+                    dsts.append(d_full[d_page : d_page + n, layers])
+                    srcs.append(s_full[s_page : s_page + n, layers])
     return dsts, srcs
 
 
 def copy_pages(src: FlatPool, dst: FlatPool, plan: TransferPlan) -> None:
     """Copy plan.src_pages of `src` into plan.dst_pages of `dst`, for plan.layers, in this thread."""
-    dsts, srcs = copy_views(src, dst, plan)
+    dsts, srcs = copy_views(full_views(src), full_views(dst), plan)
     if dsts:
         torch._foreach_copy_(dsts, srcs)
 
@@ -74,7 +93,7 @@ def split_shares(
 
 
 def _cut(d: torch.Tensor, s: torch.Tensor, target: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    for dim in (0, 1):
+    for dim in range(d.dim() - 2):  # pages (for a run), then layers
         if d.numel() > target and d.shape[dim] > 1:
             per = max(1, target * d.shape[dim] // d.numel())
             return list(zip(d.split(per, dim), s.split(per, dim), strict=True))

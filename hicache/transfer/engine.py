@@ -12,7 +12,7 @@ import torch
 
 from hicache.pools.device import DeviceKVPool
 from hicache.pools.host import HostKVPool
-from hicache.transfer.cpu import INLINE_BYTES, CpuCopier, copy_views
+from hicache.transfer.cpu import INLINE_BYTES, CpuCopier, copy_views, full_views
 from hicache.transfer.cuda import CudaCopier, layer_plan
 from hicache.transfer.handles import CpuTransferHandle, CudaTransferHandle, TransferHandle
 from hicache.transfer.plan import PageList, TransferPlan, make_plan
@@ -67,6 +67,7 @@ class TransferEngine:
         self._cuda: CudaCopier | None = None
         if on_cuda and backend != "torch":
             self._cuda = CudaCopier(device_pool.flat.device, "auto" if backend == "auto" else "triton")
+        self._views = {id(device_pool): full_views(device_pool), id(host_pool): full_views(host_pool)}
         self._writers = WriterRegistry()
         self._lock = threading.Lock()
         self._copier: CpuCopier | None = None
@@ -178,7 +179,7 @@ class TransferEngine:
             copy_pages_triton(src, dst, plan if layers is None else layer_plan(plan, layers))
             return
         runs = None if layers is None else [(layer, 1) for layer in layers]
-        dsts, srcs = copy_views(src, dst, plan, runs)
+        dsts, srcs = copy_views(self._views[id(src)], self._views[id(dst)], plan, runs)
         copier = self._cpu_copier(sum(d.numel() for d in dsts))
         if copier is not None:
             copier.run(dsts, srcs)
