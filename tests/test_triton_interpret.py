@@ -31,3 +31,24 @@ def test_triton_odd_widths_use_byte_words():
     g = KVGeometry(layer_num=2, head_num=3, head_dim=5, v_head_dim=3, page_size=3, dtype="float8_e5m2")
     for layout in LAYOUTS:
         roundtrip(g, layout, backend="triton")
+
+
+def test_triton_layerwise_async_reload():
+    from helpers import fill_random, same_page
+
+    from hicache import DeviceKVPool, HostKVPool, TransferEngine
+
+    g = KVGeometry(layer_num=3, head_num=2, head_dim=32, v_head_dim=16, page_size=2)
+    dev = DeviceKVPool(g, 4)
+    fill_random(dev, 1)
+    host = HostKVPool(g, 4, "page_first")
+    with TransferEngine(dev, host, backend="triton") as engine:
+        engine.offload_async([0, 3], [2, 1]).wait()
+        back = DeviceKVPool(g, 4)
+        with TransferEngine(back, host, backend="triton") as loader:
+            handle = loader.reload_async([2, 1], [1, 2], layers=[0, 2])
+            handle.wait_layer(0)
+            assert same_page(dev, 0, back, 1, layers=[0])
+            handle.wait()
+    assert same_page(dev, 0, back, 1, layers=[0, 2]) and same_page(dev, 3, back, 2, layers=[0, 2])
+    assert int(back.k_buffer(1).count_nonzero()) == 0

@@ -3,40 +3,77 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
-from typing import Literal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import torch
 
 from hicache.pools.device import DeviceKVPool
 from hicache.pools.host import HostKVPool
-from hicache.transfer import cpu
+from hicache.transfer.cpu import INLINE_BYTES, CpuCopier, copy_views, full_views
+from hicache.transfer.cuda import CudaCopier, layer_plan
+from hicache.transfer.handles import CpuTransferHandle, CudaTransferHandle, TransferHandle
 from hicache.transfer.plan import PageList, TransferPlan, make_plan
+from hicache.transfer.writers import WriterRegistry
 
 Backend = Literal["auto", "torch", "triton"]
+Pool = DeviceKVPool | HostKVPool
 
 
 class TransferEngine:
     """Moves whole pages (every buffer of every, or the chosen, layers) between the pools.
 
-    backend "auto" picks Triton kernels when the device pool is on CUDA and torch strided
-    copies on CPU; "triton" on a CPU pool needs TRITON_INTERPRET=1 (tests).
+    backend "auto": on CUDA, per transfer either cudaMemcpyAsync of large contiguous chunks
+    or the Triton kernels, on dedicated write/load streams; on CPU, strided torch copies
+    spread over `copy_threads` threads (default: torch's intra-op thread count).
+    "triton" always uses the kernels (on a CPU pool only under TRITON_INTERPRET=1, for
+    tests); "torch" always uses torch copies.
+
+    offload/reload block until done; offload_async/reload_async return a TransferHandle
+    with per-layer completion. Only one transfer at a time may write a given page: a
+    transfer whose destination pages overlap an unfinished one's raises ValueError.
+    Call close() (or use `with`) to stop the engine's threads.
+
     Raises ValueError if the pools' geometries differ or for an unknown backend.
     """
 
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, backend: Backend = "auto"):
+    def __init__(
+        self,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        backend: Backend = "auto",
+        *,
+        copy_threads: int | None = None,
+    ):
         if device_pool.geometry != host_pool.geometry:
             diff = device_pool.geometry.diff(host_pool.geometry)
             raise ValueError(f"device and host pools have different geometries; fields differ: {diff}")
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-        if backend == "auto":
-            backend = "triton" if device_pool.flat.is_cuda else "torch"
-        if backend == "triton" and not device_pool.flat.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        on_cuda = bool(device_pool.flat.is_cuda)
+        if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend 'triton' on a CPU pool needs TRITON_INTERPRET=1")
+        if copy_threads is not None and (isinstance(copy_threads, bool) or not isinstance(copy_threads, int)):
+            raise ValueError(f"copy_threads must be an int >= 1 or None, got {copy_threads!r}")
+        if copy_threads is not None and copy_threads < 1:
+            raise ValueError(f"copy_threads must be an int >= 1 or None, got {copy_threads!r}")
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.geometry = device_pool.geometry
-        self.backend: Backend = backend
+        self.backend: Backend = ("triton" if on_cuda else "torch") if backend == "auto" else backend
+        self._copy_threads = copy_threads
+        self._cuda: CudaCopier | None = None
+        if on_cuda and backend != "torch":
+            self._cuda = CudaCopier(device_pool.flat.device, "auto" if backend == "auto" else "triton")
+        self._views = {id(device_pool): full_views(device_pool), id(host_pool): full_views(host_pool)}
+        self._writers = WriterRegistry()
+        self._lock = threading.Lock()
+        self._copier: CpuCopier | None = None
+        self._driver: ThreadPoolExecutor | None = None
 
+    # ---- validation ------------------------------------------------------------------------
     def offload_plan(self, device_pages: PageList, host_pages: PageList) -> TransferPlan:
         """Validate an offload. Raises ValueError for out-of-range, duplicate or mismatched lists."""
         return make_plan(
@@ -63,23 +100,117 @@ class TransferEngine:
             ("host_pages", "device_pages"),
         )
 
+    # ---- blocking transfers ----------------------------------------------------------------
     def offload(self, device_pages: PageList, host_pages: PageList) -> int:
         """Copy every layer of device_pages[i] into host_pages[i]. Returns bytes moved."""
         plan = self.offload_plan(device_pages, host_pages)
-        self._run(self.device_pool, self.host_pool, plan)
+        with self._writers.claim("host_pages", plan.dst_pages):
+            self._run(self.device_pool, self.host_pool, plan, load=False)
         return plan.num_pages * self.geometry.page_bytes
 
     def reload(self, host_pages: PageList, device_pages: PageList, layers: Sequence[int] | None = None) -> int:
         """Copy host_pages[i] into device_pages[i], all layers or the given pool-local ones.
         Returns bytes moved."""
         plan = self.reload_plan(host_pages, device_pages, layers)
-        self._run(self.host_pool, self.device_pool, plan)
+        with self._writers.claim("device_pages", plan.dst_pages):
+            self._run(self.host_pool, self.device_pool, plan, load=True)
         return plan.num_pages * self.geometry.page_bytes_for(len(plan.layers))
 
-    def _run(self, src: DeviceKVPool | HostKVPool, dst: DeviceKVPool | HostKVPool, plan: TransferPlan) -> None:
+    # ---- asynchronous transfers ------------------------------------------------------------
+    def offload_async(self, device_pages: PageList, host_pages: PageList) -> TransferHandle:
+        """Start an offload (as offload()); returns at once with a handle. Raises ValueError
+        (nothing started) for bad lists or host pages an unfinished transfer is writing."""
+        plan = self.offload_plan(device_pages, host_pages)
+        nbytes = plan.num_pages * self.geometry.page_bytes
+        return self._start(self.device_pool, self.host_pool, plan, nbytes, load=False)
+
+    def reload_async(
+        self, host_pages: PageList, device_pages: PageList, layers: Sequence[int] | None = None
+    ) -> TransferHandle:
+        """Start a reload (as reload()), layer by layer in ascending order; returns at once.
+
+        handle.wait_layer(i) waits for pool-local layer i only, so a forward pass can use
+        layer 0 while later layers still load. Raises ValueError (nothing started) for bad
+        lists or device pages an unfinished transfer is writing.
+        """
+        plan = self.reload_plan(host_pages, device_pages, layers)
+        nbytes = plan.num_pages * self.geometry.page_bytes_for(len(plan.layers))
+        return self._start(self.host_pool, self.device_pool, plan, nbytes, load=True)
+
+    def _start(self, src: Pool, dst: Pool, plan: TransferPlan, nbytes: int, *, load: bool) -> TransferHandle:
+        pool = "device_pages" if load else "host_pages"
+        pages = frozenset(int(p) for p in plan.dst_pages)
+        handle: TransferHandle
+        with self._writers.reserve(pool, plan.dst_pages) as register:
+            if self._cuda is not None:
+                events = self._cuda.run(src, dst, plan, load=load, per_layer=True, sync=False)
+                handle = CudaTransferHandle(plan.layers, nbytes, pool, pages, events)
+            else:
+                cpu_handle = CpuTransferHandle(plan.layers, nbytes, pool, pages)
+                self._driver_pool().submit(self._drive, src, dst, plan, cpu_handle)
+                handle = cpu_handle
+            register(handle.done)
+        return handle
+
+    def _drive(self, src: Pool, dst: Pool, plan: TransferPlan, handle: CpuTransferHandle) -> None:
+        try:
+            for layer in plan.layers:
+                self._copy_layers(src, dst, plan, (layer,))
+                handle.publish_layer()
+        except BaseException as exc:  # surfaces from handle.wait()
+            handle.finish(exc)
+        else:
+            handle.finish()
+
+    # ---- execution -------------------------------------------------------------------------
+    def _run(self, src: Pool, dst: Pool, plan: TransferPlan, *, load: bool) -> None:
+        if plan.num_pages == 0 or not plan.layers:
+            return
+        if self._cuda is not None:
+            self._cuda.run(src, dst, plan, load=load, per_layer=False, sync=True)
+        else:
+            self._copy_layers(src, dst, plan, None)
+
+    def _copy_layers(self, src: Pool, dst: Pool, plan: TransferPlan, layers: tuple[int, ...] | None) -> None:
+        """Copy `layers` (all of plan's when None) of the plan in this thread's turn."""
         if self.backend == "triton":
             from hicache.transfer.triton_kernels import copy_pages_triton
 
-            copy_pages_triton(src, dst, plan)
-        else:
-            cpu.copy_pages(src, dst, plan)
+            copy_pages_triton(src, dst, plan if layers is None else layer_plan(plan, layers))
+            return
+        runs = None if layers is None else [(layer, 1) for layer in layers]
+        dsts, srcs = copy_views(self._views[id(src)], self._views[id(dst)], plan, runs)
+        copier = self._cpu_copier(sum(d.numel() for d in dsts))
+        if copier is not None:
+            copier.run(dsts, srcs)
+        elif dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+    def _cpu_copier(self, nbytes: int) -> CpuCopier | None:
+        """The copy threads, started by the first transfer big enough to use them."""
+        with self._lock:
+            if self._copier is None and nbytes >= INLINE_BYTES:
+                self._copier = CpuCopier(self._copy_threads)
+            return self._copier
+
+    def _driver_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._driver is None:
+                self._driver = ThreadPoolExecutor(1, thread_name_prefix="hicache-transfer")
+            return self._driver
+
+    def close(self) -> None:
+        """Finish queued asynchronous transfers and stop the engine's threads. Idempotent."""
+        with self._lock:
+            driver, copier = self._driver, self._copier
+            self._driver = self._copier = None
+        if driver is not None:
+            driver.shutdown(wait=True)
+        if copier is not None:
+            copier.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -3,7 +3,10 @@
 One program copies one (page, layer) chunk of one buffer. All layers go in one launch
 through tables of per-layer base pointers; K, V and scale buffers get one launch each, so
 each has its own row width. Rows are moved as the widest word (8/4/2/1 bytes) that every
-pointer, stride and width allows. Runs on CUDA, and on CPU under TRITON_INTERPRET=1.
+pointer, stride and width allows, in 2-D tiles of up to TILE_WORDS words (several rows at
+once, so many wide loads are in flight per program), with contiguity hints on the
+column offsets so the compiler can vectorise them. Runs on CUDA, and on CPU under
+TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from hicache.pools.flat import FlatPool
 from hicache.transfer.plan import TransferPlan
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-MAX_BLOCK = 1024
+MAX_BLOCK = 1024  # words per row segment
+TILE_WORDS = 4096  # words per 2-D tile (rows x row segment)
 
 
 @triton.jit
@@ -31,6 +35,7 @@ def _copy_chunks_kernel(
     dst_row_stride,
     ROWS: tl.constexpr,
     ROW_WORDS: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
     WORD: tl.constexpr,
 ):
@@ -40,12 +45,13 @@ def _copy_chunks_kernel(
     dst_page = tl.load(dst_pages + pair)
     src = tl.load(src_layer_ptrs + layer).to(tl.pointer_type(WORD)) + src_page * src_page_stride
     dst = tl.load(dst_layer_ptrs + layer).to(tl.pointer_type(WORD)) + dst_page * dst_page_stride
-    for row in range(ROWS):
+    for row0 in range(0, ROWS, ROW_BLOCK):
+        rows = row0 + tl.arange(0, ROW_BLOCK)
         for start in range(0, ROW_WORDS, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            mask = idx < ROW_WORDS
-            values = tl.load(src + row * src_row_stride + idx, mask=mask)
-            tl.store(dst + row * dst_row_stride + idx, values, mask=mask)
+            cols = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+            mask = (rows[:, None] < ROWS) & (cols[None, :] < ROW_WORDS)
+            values = tl.load(src + rows[:, None] * src_row_stride + cols[None, :], mask=mask)
+            tl.store(dst + rows[:, None] * dst_row_stride + cols[None, :], values, mask=mask)
 
 
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
@@ -83,6 +89,7 @@ def copy_pages_triton(src: FlatPool, dst: FlatPool, plan: TransferPlan) -> None:
         )
         row_words = row_bytes // word
         block = min(MAX_BLOCK, triton.next_power_of_2(row_words))
+        row_block = max(1, min(triton.next_power_of_2(rows), TILE_WORDS // block))
         _copy_chunks_kernel[(plan.num_pages, len(plan.layers))](
             torch.tensor(src_ptrs, dtype=torch.int64).to(device, non_blocking=True),
             torch.tensor(dst_ptrs, dtype=torch.int64).to(device, non_blocking=True),
@@ -94,6 +101,7 @@ def copy_pages_triton(src: FlatPool, dst: FlatPool, plan: TransferPlan) -> None:
             ds.token_stride // word,
             ROWS=rows,
             ROW_WORDS=row_words,
+            ROW_BLOCK=row_block,
             BLOCK=block,
             WORD=_TL_WORDS[word],
         )

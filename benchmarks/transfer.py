@@ -1,0 +1,206 @@
+"""Transfer-engine bandwidth as a ratio to a contiguous copy of the same bytes, same process.
+
+    python benchmarks/transfer.py                      # MiMo-V2-Flash full, 256 pages, page 64, bf16, cpu
+    python benchmarks/transfer.py --layout page_first --json
+    python benchmarks/transfer.py --device cuda        # GPU figures (device pool on CUDA)
+
+Every figure is the median of --repeat runs. Page lists are random (seeded) and unsorted,
+drawn from pools twice the transfer size. Ratios:
+  offload_ratio / reload_ratio  engine GB/s over memcpy GB/s of the same direction
+  naive_ratio                   torch index_select + index_copy_ over token rows (both directions, mean)
+memcpy is `dst.copy_(src)` of pages * page_bytes contiguous bytes between the two pools' memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from hicache import DeviceKVPool, HostKVPool, KVGeometry, TransferEngine
+from hicache.pools import LAYOUTS
+from hicache.pools.flat import FlatPool
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "hicache" / "data" / "mimo_v2_flash.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="HF config.json (default: MiMo-V2-Flash)")
+    p.add_argument("--group", default="full", choices=["full", "swa"])
+    p.add_argument("--layout", default="layer_first", choices=list(LAYOUTS), help="host pool layout")
+    p.add_argument("--pages", type=int, default=256, help="pages per transfer")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="device pool: cpu or cuda[:N]")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--repeat", type=int, default=7, help="timed runs per figure; the median is reported")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-naive", action="store_true", help="skip the slow index_copy baseline")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = p.parse_args(argv)
+    if args.pages < 1 or args.repeat < 1:
+        p.error(f"--pages and --repeat must be >= 1, got {args.pages} and {args.repeat}")
+    return args
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn: Callable[[], Any], repeat: int, device: str) -> float:
+    """Median wall time of fn() over `repeat` runs, after one warm-up run."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeat: int, device: str) -> dict[str, list[float]]:
+    """Wall times of each fn over `repeat` rounds, the fns run in turn within a round."""
+    for fn in fns.values():
+        fn()
+    _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def token_rows(pool: FlatPool, buffer: int) -> torch.Tensor:
+    """A [layers, slots, row elements] view of one buffer (slot = page * page_size + token)."""
+    g = pool.geometry
+    view = pool.chunks(buffer, 0, 0, pool.num_pages, g.layer_num).permute(1, 0, 2, 3)
+    rows = view.flatten(1, 2)  # pages and tokens merge: page_stride == page_size * token_stride
+    return rows.view(getattr(torch, g.buffers[buffer].storage_dtype))  # the pool's own element type
+
+
+def naive_copy(src: FlatPool, dst: FlatPool, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
+    """The obvious code: gather token rows with index_select, scatter them with index_copy_."""
+    ps = src.geometry.page_size
+    tok = torch.arange(ps)
+    s_slots = (torch.as_tensor(src_pages)[:, None] * ps + tok).flatten()
+    d_slots = (torch.as_tensor(dst_pages)[:, None] * ps + tok).flatten()
+    s_slots, d_slots = s_slots.to(src.flat.device), d_slots.to(dst.flat.device)
+    for b in range(len(src.geometry.buffers)):
+        s_rows, d_rows = token_rows(src, b), token_rows(dst, b)
+        for layer in range(src.geometry.layer_num):  # per layer: [slots, row] like a pool's k_buffer
+            d_rows[layer].index_copy_(0, d_slots, s_rows[layer].index_select(0, s_slots).to(d_rows.device))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure and return the figures (see the module docstring)."""
+    config = json.loads(Path(args.config).read_text())
+    g = KVGeometry.from_hf_config(
+        config, tp_size=args.tp_size, page_size=args.page_size, dtype=args.dtype, group=args.group
+    )
+    pool_pages = 2 * args.pages
+    device = DeviceKVPool(g, pool_pages, args.device)
+    host = HostKVPool(g, pool_pages, args.layout)
+    engine = TransferEngine(device, host, args.backend)
+    rng = np.random.default_rng(args.seed)
+    dev_pages = rng.permutation(pool_pages)[: args.pages]
+    host_pages = rng.permutation(pool_pages)[: args.pages]
+    nbytes = args.pages * g.page_bytes
+    dev_bytes, host_bytes = device.flat[:nbytes], host.flat[:nbytes]
+    dev_name = str(device.flat.device)
+    # memcpy and engine runs alternate, so that a burst of load elsewhere hits both alike;
+    # each ratio is the median of per-round ratios.
+    rounds = interleaved(
+        {
+            "d2h": lambda: host_bytes.copy_(dev_bytes),
+            "offload": lambda: engine.offload(dev_pages, host_pages),
+            "h2d": lambda: dev_bytes.copy_(host_bytes),
+            "reload": lambda: engine.reload(host_pages, dev_pages),
+        },
+        args.repeat,
+        dev_name,
+    )
+    gb = nbytes / 1e9
+    med = {k: statistics.median(v) for k, v in rounds.items()}
+    out: dict[str, Any] = {
+        "offload_gbps": gb / med["offload"],
+        "reload_gbps": gb / med["reload"],
+        "memcpy_gbps": gb / statistics.median(rounds["d2h"] + rounds["h2d"]),
+        "memcpy_d2h_gbps": gb / med["d2h"],
+        "memcpy_h2d_gbps": gb / med["h2d"],
+        "offload_ratio": statistics.median(m / e for m, e in zip(rounds["d2h"], rounds["offload"], strict=True)),
+        "reload_ratio": statistics.median(m / e for m, e in zip(rounds["h2d"], rounds["reload"], strict=True)),
+    }
+    t_d2h, t_h2d = med["d2h"], med["h2d"]
+    if not args.no_naive:
+        naive_repeat = max(1, min(3, args.repeat))
+        t_noff = median_seconds(lambda: naive_copy(device, host, dev_pages, host_pages), naive_repeat, dev_name)
+        t_nrel = median_seconds(lambda: naive_copy(host, device, host_pages, dev_pages), naive_repeat, dev_name)
+        out["naive_offload_ratio"] = t_d2h / t_noff
+        out["naive_reload_ratio"] = t_h2d / t_nrel
+        out["naive_ratio"] = (out["naive_offload_ratio"] + out["naive_reload_ratio"]) / 2
+    out.update(
+        geometry=g.to_dict(),
+        page_bytes=g.page_bytes,
+        transfer_bytes=nbytes,
+        layout=args.layout,
+        pages=args.pages,
+        page_size=args.page_size,
+        device=args.device,
+        backend=engine.backend,
+        repeat=args.repeat,
+        torch_threads=torch.get_num_threads(),
+    )
+    return out
+
+
+def table(r: dict[str, Any]) -> str:
+    g = r["geometry"]
+    head = (
+        f"{r['pages']} pages x {r['page_bytes'] / 1e6:.2f} MB ({r['transfer_bytes'] / 1e6:.0f} MB), "
+        f"{g['layer_num']} layers, {g['dtype']}, host {r['layout']}, device {r['device']} "
+        f"(backend {r['backend']}), median of {r['repeat']}"
+    )
+    rows = [
+        ("memcpy device->host", r["memcpy_d2h_gbps"], 1.0),
+        ("memcpy host->device", r["memcpy_h2d_gbps"], 1.0),
+        ("offload (engine)", r["offload_gbps"], r["offload_ratio"]),
+        ("reload (engine)", r["reload_gbps"], r["reload_ratio"]),
+    ]
+    lines = [head, f"{'':24} {'GB/s':>8} {'ratio':>7}"]
+    lines += [f"{name:24} {gbps:8.2f} {ratio:7.3f}" for name, gbps, ratio in rows]
+    if "naive_ratio" in r:
+        lines.append(f"{'naive index_copy (mean)':24} {'':8} {r['naive_ratio']:7.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except ValueError as exc:
+        print(f"transfer benchmark: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Handles of asynchronous transfers, with per-layer completion.
+
+A transfer copies its layers in order (plan.layers, ascending pool-local indices), so
+"layer i is ready" means every earlier layer of the transfer is ready too.
+
+- `CpuTransferHandle`: filled in by the engine's transfer thread, which publishes each
+  layer as its copies finish. wait_layer blocks the calling thread.
+- `CudaTransferHandle`: one CUDA event per layer, recorded on the engine's load (or
+  write) stream. wait_layer makes the caller's current CUDA stream wait for the event,
+  so kernels queued afterwards see the layer, without blocking the host.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class TransferHandle:
+    """An in-flight transfer of `nbytes` bytes over pool-local `layers` into `dst_pages`.
+
+    wait() returns nbytes once every layer is copied, or raises what the copy raised.
+    """
+
+    def __init__(self, layers: tuple[int, ...], nbytes: int, pool: str, dst_pages: frozenset[int]):
+        self.layers = layers
+        self.nbytes = nbytes
+        self.pool = pool  # "device" or "host": which pool dst_pages belong to
+        self.dst_pages = dst_pages
+
+    def done(self) -> bool:
+        """Whether the transfer has finished (copied every layer, or failed)."""
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the transfer finishes; return bytes moved.
+
+        Raises the copy's exception, or TimeoutError after `timeout` seconds.
+        """
+        raise NotImplementedError
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        """Wait until pool-local `layer` is copied. Raises ValueError if the transfer does not
+        carry that layer, the copy's exception if it failed, TimeoutError after `timeout`."""
+        raise NotImplementedError
+
+    def _position(self, layer: int) -> int:
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            raise ValueError(f"layer {layer!r} is not part of this transfer (layers {list(self.layers)})") from None
+
+
+class CpuTransferHandle(TransferHandle):
+    """A transfer run by a CPU thread that publishes per-layer progress."""
+
+    def __init__(self, layers: tuple[int, ...], nbytes: int, pool: str, dst_pages: frozenset[int]):
+        super().__init__(layers, nbytes, pool, dst_pages)
+        self._cond = threading.Condition()
+        self._ready = 0  # layers[:_ready] are copied
+        self._finished = False
+        self._error: BaseException | None = None
+
+    @property
+    def layers_ready(self) -> int:
+        """How many of `layers` (a prefix, in order) are copied so far."""
+        with self._cond:
+            return self._ready
+
+    def done(self) -> bool:
+        with self._cond:
+            return self._finished
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._finished, timeout):
+                raise TimeoutError(f"transfer not finished after {timeout} s ({self._ready}/{len(self.layers)} layers)")
+            if self._error is not None:
+                raise self._error
+        return self.nbytes
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        need = self._position(layer) + 1
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready >= need or self._finished, timeout):
+                raise TimeoutError(f"layer {layer} not copied after {timeout} s")
+            if self._ready < need:
+                assert self._error is not None, "a finished transfer is complete or failed"
+                raise self._error
+
+    # ---- called by the transfer thread ---------------------------------------------------
+    def publish_layer(self) -> None:
+        with self._cond:
+            assert self._ready < len(self.layers)
+            self._ready += 1
+            self._cond.notify_all()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._error = error
+            self._finished = True
+            self._cond.notify_all()
+
+
+class CudaTransferHandle(TransferHandle):
+    """A transfer queued on a CUDA stream, with one event recorded after each layer."""
+
+    def __init__(self, layers: tuple[int, ...], nbytes: int, pool: str, dst_pages: frozenset[int], events: list[Any]):
+        super().__init__(layers, nbytes, pool, dst_pages)
+        assert len(events) == len(layers)
+        self.events = events  # torch.cuda.Event, one per layer
+
+    def done(self) -> bool:
+        return all(bool(e.query()) for e in self.events)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is not None and not self.done():
+            threading.Event().wait(timeout)
+            if not self.done():
+                raise TimeoutError(f"transfer not finished after {timeout} s")
+        for event in self.events:
+            event.synchronize()
+        return self.nbytes
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        import torch
+
+        event = self.events[self._position(layer)]
+        torch.cuda.current_stream().wait_event(event)

@@ -1,0 +1,64 @@
+"""The single-writer rule: at most one unfinished transfer writes any given page."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+Done = Callable[[], bool]
+
+
+class WriterRegistry:
+    """Destination pages of unfinished transfers, per pool ("device_pages" or "host_pages").
+
+    A claim that overlaps an unfinished transfer's pages raises ValueError naming the pages,
+    and registers nothing. Entries leave the registry once their `done()` returns True.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: list[tuple[str, frozenset[int], Done]] = []
+
+    def _check(self, pool: str, pages: np.ndarray) -> frozenset[int]:
+        self._active = [entry for entry in self._active if not entry[2]()]
+        wanted = frozenset(int(p) for p in pages)
+        for other_pool, other_pages, _ in self._active:
+            clash = wanted & other_pages if other_pool == pool else frozenset()
+            if clash:
+                shown = sorted(clash)[:16]
+                raise ValueError(
+                    f"{pool} {shown}{' ...' if len(clash) > 16 else ''} are the destination of an unfinished "
+                    f"transfer; wait for it before writing them again"
+                )
+        return wanted
+
+    @contextmanager
+    def claim(self, pool: str, pages: np.ndarray) -> Iterator[None]:
+        """Hold `pages` of `pool` for the duration of the block (a blocking transfer)."""
+        finished = threading.Event()
+        with self._lock:
+            wanted = self._check(pool, pages)
+            self._active.append((pool, wanted, finished.is_set))
+        try:
+            yield
+        finally:
+            finished.set()
+
+    @contextmanager
+    def reserve(self, pool: str, pages: np.ndarray) -> Iterator[Callable[[Done], None]]:
+        """Check `pages`, then let the block start the transfer and register its done().
+
+        The registry stays locked for the block, so no other claim can slip in between.
+        """
+        with self._lock:
+            wanted = self._check(pool, pages)
+            yield lambda done: self._active.append((pool, wanted, done))
+
+    def active(self) -> list[tuple[str, frozenset[int]]]:
+        """The (pool, pages) of unfinished transfers."""
+        with self._lock:
+            self._active = [entry for entry in self._active if not entry[2]()]
+            return [(pool, pages) for pool, pages, _ in self._active]
