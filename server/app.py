@@ -105,20 +105,22 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
 
     _prepare_socket(config.socket)
     address = f"unix://{os.path.abspath(config.socket)}"
+    addresses = [address]
     old_umask = os.umask(0o177)  # the socket is created 0600: only this user may connect
     try:
         server.add_insecure_port(address)
+        if config.listen:
+            port = server.add_insecure_port(config.listen)
+            if port == 0:
+                raise ValueError(f"cannot listen on {config.listen}")
+            addresses.append(f"{config.listen.rpartition(':')[0]}:{port}")
         server.start()
+    except BaseException:
+        server.stop(None)
+        raise
     finally:
         os.umask(old_umask)
     os.chmod(config.socket, 0o600)
-    addresses = [address]
-    if config.listen:
-        port = server.add_insecure_port(config.listen)
-        if port == 0:
-            server.stop(None)
-            raise ValueError(f"cannot listen on {config.listen}")
-        addresses.append(f"{config.listen.rpartition(':')[0]}:{port}")
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("hicache sidecar listening on %s", ", ".join(addresses))

@@ -24,6 +24,10 @@ log = logging.getLogger("hicache.server")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class Exhausted(Exception):
+    """A NoSpace answer, raised inside the servicer only to reach abort_for."""
+
+
 def abort_for(exc: BaseException, context: grpc.ServicerContext) -> NoReturn:
     """Abort the call with the status code of `exc` (see the module docstring)."""
     if isinstance(exc, ValueError):
@@ -32,6 +36,8 @@ def abort_for(exc: BaseException, context: grpc.ServicerContext) -> NoReturn:
         context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else "not found")
     if isinstance(exc, StateError):
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, Exhausted):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     log.exception("internal error", exc_info=exc)
     context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
     raise AssertionError("context.abort raises")
@@ -42,11 +48,7 @@ def _mapped(method: F) -> F:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
-        except (ValueError, KeyError, StateError) as exc:
-            abort_for(exc, context)
         except Exception as exc:
-            if isinstance(exc, grpc.RpcError):  # context.abort's own exception
-                raise
             abort_for(exc, context)
 
     return wrapper  # type: ignore[return-value]
@@ -72,8 +74,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             cuda_device=request.device_memory.cuda_device,
         )
         if isinstance(info, NoSpace):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, info.reason)
-            raise AssertionError("context.abort raises")
+            raise Exhausted(info.reason)
         return pb.RegisterPoolResponse(
             pool_id=info.pool_id,
             host_pages=info.host_pages,
@@ -149,7 +150,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
         try:
             events = self.service.watch(request.pool_id, request.op_id, cancelled=lambda: not context.is_active())
-        except (ValueError, KeyError, StateError) as exc:
+        except Exception as exc:
             abort_for(exc, context)
         for event in events:
             yield wire.event_to_pb(request.op_id, event)
