@@ -21,7 +21,8 @@ from hicache.geometry import KVGeometry
 from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, MemoryHandle, shm_dir
 from hicache.operations import Operation
-from hicache.pools import DeviceKVPool, HostKVPool
+from hicache.pools import HostKVPool
+from hicache.registration import check_geometry, map_device
 from hicache.request_cache import RequestCache, fingerprint
 from hicache.service_types import (
     EvictResult,
@@ -94,7 +95,7 @@ class HiCacheService:
         key_hash: str,
         cuda_device: int,
     ) -> PoolInfo | NoSpace:
-        self.check_geometry(group, geometry)
+        check_geometry(self.config.expected, group, geometry)
         if isinstance(device_pages, bool) or not isinstance(device_pages, int) or device_pages < 1:
             raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
         if key_hash not in KEY_BYTES:
@@ -117,7 +118,7 @@ class HiCacheService:
         free = shutil.disk_usage(shm_dir()).free
         if host_bytes > free:
             return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
-        device = self._map_device(geometry, device_pages, memory, cuda_device)
+        device = map_device(geometry, device_pages, memory, cuda_device, self._ipc)
         try:
             host = HostKVPool(geometry, host_pages, self.config.host_layout)
         except BaseException:
@@ -149,30 +150,8 @@ class HiCacheService:
         )
 
     def check_geometry(self, group: str, geometry: KVGeometry) -> None:
-        """Raises ValueError for a group the model lacks or, naming each differing field with
-        both values, a geometry other than the expected one."""
-        expected = self.config.expected
-        if expected is None:
-            return
-        if group not in expected:
-            raise ValueError(f"group {group!r} is not in the sidecar's model; it has {sorted(expected)}")
-        want = expected[group]
-        fields = want.diff(geometry)
-        if fields:
-            mine, theirs = want.to_dict(), geometry.to_dict()
-            detail = ", ".join(f"{f} (engine {theirs[f]!r}, sidecar {mine[f]!r})" for f in fields)
-            raise ValueError(f"geometry of group {group!r} differs from the sidecar's model config: {detail}")
-
-    def _map_device(self, geometry: KVGeometry, pages: int, memory: MemoryHandle, cuda_device: int) -> DeviceKVPool:
-        if memory.kind == "shm":
-            try:
-                return DeviceKVPool.attach(geometry, pages, memory)
-            except FileNotFoundError:
-                raise ValueError(f"device memory shm {memory.name!r} does not exist") from None
-        if memory.kind == "cuda_ipc":
-            device = f"cuda:{cuda_device}"
-            return DeviceKVPool(geometry, pages, device, memory=self._ipc.open(memory, device))
-        raise ValueError(f"device memory kind must be 'shm' or 'cuda_ipc', got {memory.kind!r}")
+        """Raises ValueError for a group the model lacks or a geometry other than expected."""
+        check_geometry(self.config.expected, group, geometry)
 
     def unregister(self, request_id: str, pool_id: str) -> bool:
         """Release the pool after its in-flight transfers. Raises KeyError for an unknown id."""

@@ -4,12 +4,14 @@ the host index and the transfers between them. Validates everything before chang
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hicache.batch_checks import check_keys, check_pages
 from hicache.cache.index import HostIndex
 from hicache.operations import Operation, OperationTable
 from hicache.pools import DeviceKVPool, HostKVPool
@@ -25,7 +27,6 @@ from hicache.service_types import (
     TransferResult,
 )
 from hicache.transfer import TransferEngine
-from hicache.transfer.plan import as_pages
 
 
 @dataclass(frozen=True)
@@ -74,30 +75,10 @@ class RegisteredPool:
             raise StateError(f"pool {self.identity.pool_id} is closed")
 
     def check_keys(self, keys: Sequence[bytes], *, unique: bool = False) -> list[bytes]:
-        """Raises ValueError for an oversize batch, a key of the wrong type or length, or
-        (unique) a key given twice."""
-        if len(keys) > self.max_batch:
-            raise ValueError(f"batch of {len(keys)} keys exceeds the limit of {self.max_batch}")
-        want = self.identity.key_bytes
-        out = []
-        for i, key in enumerate(keys):
-            if not isinstance(key, bytes) or len(key) != want:
-                shown = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
-                raise ValueError(f"keys[{i}] must be a {want}-byte {self.identity.key_hash} key, got {shown}")
-            out.append(key)
-        if unique and len(set(out)) != len(out):
-            seen: dict[bytes, int] = {}
-            for i, key in enumerate(out):
-                if key in seen:
-                    raise ValueError(f"keys[{i}] repeats keys[{seen[key]}] ({key.hex()})")
-                seen[key] = i
-        return out
+        return check_keys(keys, self.identity.key_bytes, self.identity.key_hash, self.max_batch, unique=unique)
 
     def check_pages(self, device_pages: Sequence[int], n: int) -> list[int]:
-        """Raises ValueError for a length mismatch, an out-of-range or a duplicate page."""
-        if len(device_pages) != n:
-            raise ValueError(f"got {n} keys but {len(device_pages)} device_pages")
-        return [int(p) for p in as_pages("device_pages", list(device_pages), self.device.num_pages)]
+        return check_pages(device_pages, n, self.device.num_pages)
 
     # ---- transfers ------------------------------------------------------------------------
     def offload(self, keys: Sequence[bytes], device_pages: Sequence[int]) -> TransferResult:
@@ -181,32 +162,25 @@ class RegisteredPool:
                 self._unref(ks, found)
 
     def _copy_layers(self, op: Operation, host_pages: list[int], dev_pages: list[int], *, per_layer: bool) -> None:
-        t0 = time.perf_counter()
-        nbytes = 0
-        layer_num = self.geometry.layer_num
+        """Copy (one layer at a time when per_layer, publishing each), count, publish DONE or
+        FAILED. per_layer runs without the lock held; otherwise the caller holds it."""
+        t0, nbytes, layer_num = time.perf_counter(), 0, self.geometry.layer_num
         try:
-            if per_layer:
-                for layer in range(layer_num):
-                    nbytes += self.engine.reload(host_pages, dev_pages, layers=[layer])
-                    op.layer_done(layer, layer + 1)
-            else:
+            for layer in range(layer_num) if per_layer else ():
+                nbytes += self.engine.reload(host_pages, dev_pages, layers=[layer])
+                op.layer_done(layer, layer + 1)
+            if not per_layer:
                 nbytes = self.engine.reload(host_pages, dev_pages)
                 for layer in range(layer_num):
                     op.layer_done(layer, layer + 1)
         except Exception as exc:
             op.failed(f"{type(exc).__name__}: {exc}", 0)
             raise
-        elapsed = time.perf_counter() - t0
-        if per_layer:
-            with self.lock:
-                self._count_reload(nbytes, elapsed if host_pages else 0.0)
-        else:
-            self._count_reload(nbytes, elapsed if host_pages else 0.0)
+        seconds = time.perf_counter() - t0 if host_pages else 0.0
+        with self.lock if per_layer else contextlib.nullcontext():
+            self.counters.reload_bytes += nbytes
+            self.counters.reload_s += seconds
         op.done()
-
-    def _count_reload(self, nbytes: int, seconds: float) -> None:
-        self.counters.reload_bytes += nbytes
-        self.counters.reload_s += seconds
 
     def _unref(self, ks: list[bytes], found: list[int]) -> None:
         for i in found:

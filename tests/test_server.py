@@ -244,3 +244,14 @@ def test_flags_build_the_expected_geometry(sockdir):
     assert config.service.hicache_ratio == 3 and config.service.host_layout == "page_first" and level == "INFO"
     with pytest.raises(ValueError, match="tp_size 3"):
         parse_args(["--model-config", str(CONFIG_PATH), "--tp-size", "3"])
+
+
+def test_close_fails_fast_when_the_sidecar_is_gone(sockdir):
+    srv, address = start(sockdir)
+    dev = filled_device(4)
+    client = HiCacheClient(address, timeout=30)
+    client.register(dev)
+    srv.stop(0)
+    client.close()  # best effort: no wait for a sidecar that is not coming back
+    assert client._pools == {}
+    dev.close()
