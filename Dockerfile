@@ -5,7 +5,7 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG EXTRAS=""
 RUN useradd --create-home --uid 1000 hicache
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY hicache ./hicache
 COPY server ./server
 COPY proto ./proto

@@ -4,5 +4,13 @@ from hicache.geometry import BufferSpec, KVGeometry
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.transfer import TransferEngine
 
-__all__ = ["BufferSpec", "DeviceKVPool", "HostKVPool", "KVGeometry", "TransferEngine"]
+__all__ = ["BufferSpec", "DeviceKVPool", "HiCacheClient", "HostKVPool", "KVGeometry", "TransferEngine"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    if name == "HiCacheClient":  # lazy: importing hicache must not import grpc
+        from hicache.client import HiCacheClient
+
+        return HiCacheClient
+    raise AttributeError(f"module 'hicache' has no attribute {name!r}")

@@ -15,16 +15,19 @@ import os
 import re
 import secrets
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
 ShmKind = Literal["shm", "cuda_ipc", "local"]
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 SHM_PREFIX = "hicache-"
+K = TypeVar("K")
+B = TypeVar("B")
 
 
 def shm_dir() -> str:
@@ -150,6 +153,80 @@ def open_cuda_ipc(handle: MemoryHandle, device: str = "cuda") -> SharedBuffer:
         array = cp.ndarray((handle.nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, handle.offset))
     tensor = torch.as_tensor(array, device=f"cuda:{index}")
     return SharedBuffer(tensor, handle, lambda: cp.cuda.runtime.ipcCloseMemHandle(base))
+
+
+class RefCountedOpens(Generic[K, B]):
+    """Opens each key once and shares it between users; closes it when the last one releases.
+
+    CUDA allows one cudaIpcOpenMemHandle per handle per process, so every mapping of one
+    exported allocation (several pools, several offsets) must share that open. Thread-safe.
+    """
+
+    def __init__(self, open_fn: Callable[[K], B], close_fn: Callable[[B], None]):
+        self._open_fn = open_fn
+        self._close_fn = close_fn
+        self._lock = threading.Lock()
+        self._open: dict[K, tuple[B, int]] = {}
+
+    def acquire(self, key: K) -> B:
+        with self._lock:
+            base, users = self._open[key] if key in self._open else (self._open_fn(key), 0)
+            self._open[key] = (base, users + 1)
+            return base
+
+    def release(self, key: K) -> None:
+        """Drop one user of `key`. Raises KeyError if it is not open."""
+        with self._lock:
+            if key not in self._open:
+                raise KeyError(f"{key!r} is not open")
+            base, users = self._open[key]
+            if users > 1:
+                self._open[key] = (base, users - 1)
+                return
+            del self._open[key]
+        self._close_fn(base)
+
+    def users(self, key: K) -> int:
+        with self._lock:
+            return self._open[key][1] if key in self._open else 0
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+class CudaIpcOpens:
+    """Opens CUDA IPC handles from other processes with refcounted opens (see RefCountedOpens)."""
+
+    def __init__(self) -> None:
+        self.bases: RefCountedOpens[tuple[bytes, int], int] = RefCountedOpens(self._open_base, self._close_base)
+
+    @staticmethod
+    def _open_base(key: tuple[bytes, int]) -> int:
+        cp = _cupy()
+        with cp.cuda.Device(key[1]):
+            return int(cp.cuda.runtime.ipcOpenMemHandle(key[0]))
+
+    @staticmethod
+    def _close_base(base: int) -> None:
+        _cupy().cuda.runtime.ipcCloseMemHandle(base)
+
+    def open(self, handle: MemoryHandle, device: str = "cuda") -> SharedBuffer:
+        """Map `handle` (nbytes at offset from its allocation base) on `device`."""
+        if handle.kind != "cuda_ipc":
+            raise ValueError(f"expected a cuda_ipc handle, got kind {handle.kind!r}")
+        index = torch.device(device).index or 0
+        key = (handle.ipc_handle, index)
+        base = self.bases.acquire(key)
+        try:
+            cp = _cupy()
+            with cp.cuda.Device(index):
+                mem = cp.cuda.UnownedMemory(base, handle.offset + handle.nbytes, None)
+                array = cp.ndarray((handle.nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, handle.offset))
+            tensor = torch.as_tensor(array, device=f"cuda:{index}")
+        except BaseException:
+            self.bases.release(key)
+            raise
+        return SharedBuffer(tensor, handle, lambda: self.bases.release(key))
 
 
 def pin_host(buffer: SharedBuffer) -> bool:

@@ -1,0 +1,147 @@
+"""Sidecar RPC latency over a Unix socket, and sidecar offload bandwidth as a ratio to the
+in-process TransferEngine and to a contiguous memcpy of the same bytes, in one run.
+
+    python benchmarks/rpc.py                 # MiMo-V2-Flash full group, page 64, bf16
+    python benchmarks/rpc.py --json
+
+The sidecar runs as its own process (`python -m server`) on a temporary socket; this process
+is the engine with a CPU DeviceKVPool in shared memory. Latencies are p50/p99 of --iters
+calls (wall time of the client call). Offloads use fresh keys each call, so every page is
+copied (no deduplication); older fresh keys are evicted (LRU) to make room, 1000 pinned
+keys stay resident for the Lookups.
+  sidecar_gbps     bytes / wall time of client.offload(256 pages), RPC included
+  engine_gbps      TransferEngine.offload of the same device pages in this process
+  memcpy_gbps      one contiguous copy of the same number of bytes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from hicache import DeviceKVPool, HostKVPool, TransferEngine  # noqa: E402
+from hicache.client import HiCacheClient  # noqa: E402
+from hicache.demo import load_config, model_geometries  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--pages", type=int, default=256, help="pages per large offload")
+    p.add_argument("--iters", type=int, default=200, help="calls per small-call latency figure")
+    p.add_argument("--big-iters", type=int, default=12, help="calls per large-offload figure")
+    p.add_argument("--layout", default="layer_first", help="host pool layout (sidecar and in-process engine)")
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ms = np.array(samples) * 1e3
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
+
+
+def timed(fn: Callable[[int], Any], iters: int, warmup: int = 3) -> list[float]:
+    for i in range(warmup):
+        fn(-1 - i)
+    out = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn(i)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    g = model_geometries(load_config(None), tp_size=1, page_size=args.page_size, dtype="bfloat16")["full"]
+    device_pages = 2 * args.pages
+    # host pages: 1000 pinned resident keys for Lookup, and room for a large offload plus
+    # the pages it evicts (least recently used fresh keys) before the copy
+    ratio = (1000 + 2 * args.pages) / device_pages
+    sockdir = tempfile.mkdtemp(prefix="hcb")
+    sock = os.path.join(sockdir, "hc.sock")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "server", "--socket", sock, "--page-size", str(args.page_size)]
+        + ["--hicache-ratio", str(ratio), "--hicache-mem-layout", args.layout, "--log-level", "WARNING"],
+        cwd=ROOT,
+    )
+    dev = DeviceKVPool(g, device_pages)
+    dev.flat.copy_(torch.randint(0, 256, (dev.nbytes,), dtype=torch.uint8))
+    rows: dict[str, Any] = {"geometry": f"MiMo-V2-Flash full, K {g.head_dim} / V {g.v_head_dim}, page {g.page_size}"}
+    try:
+        client = HiCacheClient(f"unix://{sock}", timeout=120)
+        client.register(dev, model_id="MiMo-V2-Flash")
+        counter = iter(range(10**9))
+
+        def fresh(n: int) -> list[bytes]:
+            return [next(counter).to_bytes(32, "little") for _ in range(n)]
+
+        resident = fresh(1000)
+        for start in range(0, 1000, args.pages):
+            chunk = resident[start : start + args.pages]
+            client.offload(chunk, list(range(len(chunk))))
+        client.pin(resident)
+        rows["lookup_1"] = percentiles(timed(lambda i: client.lookup(resident[:1]), args.iters))
+        rows["lookup_1000"] = percentiles(timed(lambda i: client.lookup(resident), args.iters))
+        rows["offload_1"] = percentiles(timed(lambda i: client.offload(fresh(1), [0]), args.iters))
+        big = list(range(args.pages))
+        big_samples = timed(lambda i: client.offload(fresh(args.pages), big), args.big_iters)
+        rows[f"offload_{args.pages}"] = percentiles(big_samples)
+        nbytes = args.pages * g.page_bytes
+        sidecar_gbps = nbytes / statistics.median(big_samples) / 1e9
+
+        host = HostKVPool(g, 2 * args.pages, args.layout)
+        engine = TransferEngine(dev, host)
+        engine_s = statistics.median(timed(lambda i: engine.offload(big, big), args.big_iters))
+        src, dst = dev.flat[:nbytes], host.flat[:nbytes]
+        memcpy_s = statistics.median(timed(lambda i: dst.copy_(src), args.big_iters))
+        engine_gbps, memcpy_gbps = nbytes / engine_s / 1e9, nbytes / memcpy_s / 1e9
+        rows["offload_bandwidth"] = {
+            "pages": args.pages,
+            "bytes": nbytes,
+            "sidecar_gbps": sidecar_gbps,
+            "engine_gbps": engine_gbps,
+            "memcpy_gbps": memcpy_gbps,
+            "sidecar_over_engine": sidecar_gbps / engine_gbps,
+            "sidecar_over_memcpy": sidecar_gbps / memcpy_gbps,
+        }
+        host.close()
+        client.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        dev.close()
+        shutil.rmtree(sockdir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"hicache sidecar over UDS: {rows['geometry']}, page_bytes {g.page_bytes}")
+    for name in ("lookup_1", "lookup_1000", "offload_1", f"offload_{args.pages}"):
+        print(f"  {name:14} p50 {rows[name]['p50_ms']:9.3f} ms   p99 {rows[name]['p99_ms']:9.3f} ms")
+    b = rows["offload_bandwidth"]
+    print(
+        f"  offload {b['pages']} pages ({b['bytes'] / 1e6:.0f} MB): sidecar {b['sidecar_gbps']:.2f} GB/s, "
+        f"in-process engine {b['engine_gbps']:.2f} GB/s, memcpy {b['memcpy_gbps']:.2f} GB/s"
+    )
+    print(f"  ratio sidecar/engine {b['sidecar_over_engine']:.2f}, sidecar/memcpy {b['sidecar_over_memcpy']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""HiCacheClient: what an inference server embeds to drive the sidecar.
+
+    client = HiCacheClient("unix:///run/user/1000/hicache/hicache.sock", token=None)
+    pool = client.register(device_pool, namespace="tenant-a", model_id="MiMo-V2-Flash")
+    keys = client.page_keys(token_ids)                # chained page hashes, see hicache.keys
+    client.offload(keys, device_pages)                # per-key KeyStatus
+    handle = client.reload(keys, other_pages, layerwise=True)
+    handle.wait_layer(0)                              # layer 0 is on the device
+    handle.wait()
+
+One registration covers one KV group (one KVGeometry). A hybrid model registers each
+group's pool (group="full", group="swa") and passes pool=... to the other calls; calls
+without pool= go to the most recently registered pool. Keys are bytes, namespaces str.
+Every call has a deadline (`timeout` s); mutating calls carry a request id and are retried
+on UNAVAILABLE with the same id, which the sidecar answers idempotently.
+Failed calls raise HiCacheRpcError with the gRPC status code and the sidecar's message.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from hicache import wire
+from hicache.client_handles import HiCacheRpcError, ReloadHandle
+from hicache.keys import HashName, page_keys
+from hicache.pools import DeviceKVPool
+from hicache.rpc import hicache_pb2 as pb
+from hicache.rpc import hicache_pb2_grpc as pb_grpc
+from hicache.service_types import EvictResult, KeyStatus, LookupResult, PoolStats, TransferResult
+
+__all__ = ["HiCacheClient", "HiCacheRpcError", "RegisteredPool", "ReloadHandle", "page_keys"]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RegisteredPool:
+    """The sidecar's answer to register(): ids, the host pool, and how keys are hashed."""
+
+    pool_id: str
+    group: str
+    namespace: str
+    page_size: int
+    layer_num: int
+    key_hash: str
+    host_pages: int
+    host_shm_name: str
+    host_layout: str
+    geometry_fingerprint: str
+    lease_timeout_s: float
+
+
+def _target(target: str) -> str:
+    return f"unix://{target}" if target.startswith("/") else target
+
+
+class HiCacheClient:
+    """A connection to one sidecar. Thread-safe; close() unregisters this client's pools."""
+
+    def __init__(self, target: str, token: str | None = None, *, timeout: float = 30.0, retries: int = 2):
+        self.target = _target(target)
+        self.timeout = timeout
+        self.retries = retries
+        self._channel = grpc.insecure_channel(
+            self.target,
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        )
+        self._stub = pb_grpc.HiCacheStub(self._channel)
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._pools: dict[str, RegisteredPool] = {}
+        self._default: str | None = None
+        self._stop = threading.Event()
+        self._keepalive: threading.Thread | None = None
+
+    # ---- plumbing -------------------------------------------------------------------------------
+    def _call(self, method: Callable[..., T], request: Any, *, retry: bool = True) -> T:
+        """One call with the deadline; waits for the sidecar to come up unless retry is False."""
+        attempts = 1 + (self.retries if retry else 0)
+        for attempt in range(attempts):
+            try:
+                return method(request, timeout=self.timeout, metadata=self._metadata, wait_for_ready=retry)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
+                    continue  # same request id: the sidecar answers a retry idempotently
+                raise HiCacheRpcError(code, exc.details() or "") from None
+        raise AssertionError("unreachable")
+
+    def _pool(self, pool: str | None) -> RegisteredPool:
+        pool_id = pool or self._default
+        if pool_id is None:
+            raise ValueError("no pool registered: call register() first")
+        if pool_id not in self._pools:
+            raise KeyError(f"pool {pool_id!r} was not registered by this client")
+        return self._pools[pool_id]
+
+    @staticmethod
+    def _rid() -> str:
+        return uuid.uuid4().hex
+
+    # ---- registration -----------------------------------------------------------------------------
+    def register(
+        self,
+        device_pool: DeviceKVPool,
+        *,
+        namespace: str = "",
+        model_id: str = "",
+        group: str = "full",
+        key_hash: HashName = "sha256",
+        cuda_device: int = 0,
+    ) -> RegisteredPool:
+        """Register `device_pool` (one KV group) and make it the default pool. The pool must be
+        shareable: a CPU pool in shared memory or a CUDA pool exported with CUDA IPC."""
+        if not isinstance(namespace, str):
+            raise ValueError(f"namespace must be a str, got {type(namespace).__name__}")
+        g = device_pool.geometry
+        request = pb.RegisterPoolRequest(
+            request_id=self._rid(),
+            group=group,
+            geometry=wire.geometry_to_pb(g),
+            device_pages=device_pool.num_pages,
+            device_memory=wire.memory_to_pb(device_pool.handle, cuda_device),
+            namespace=namespace,
+            model_id=model_id,
+            key_hash=key_hash,
+        )
+        r = self._call(self._stub.RegisterPool, request)
+        info = RegisteredPool(
+            r.pool_id,
+            group,
+            namespace,
+            g.page_size,
+            g.layer_num,
+            r.key_hash,
+            r.host_pages,
+            r.host_shm_name,
+            r.host_layout,
+            r.geometry_fingerprint,
+            r.lease_timeout_s,
+        )
+        self._pools[info.pool_id] = info
+        self._default = info.pool_id
+        self._start_keepalive(info.lease_timeout_s)
+        return info
+
+    def _start_keepalive(self, lease_s: float) -> None:
+        if self._keepalive is not None:
+            return
+
+        def renew() -> None:
+            while not self._stop.wait(max(0.05, lease_s / 3)):
+                for pool_id in list(self._pools):
+                    try:
+                        self._stub.KeepAlive(
+                            pb.KeepAliveRequest(pool_id=pool_id), timeout=self.timeout, metadata=self._metadata
+                        )
+                    except grpc.RpcError:
+                        pass  # the next call reports the problem
+
+        self._keepalive = threading.Thread(target=renew, daemon=True, name="hicache-keepalive")
+        self._keepalive.start()
+
+    def unregister(self, pool: str | None = None, *, retry: bool = True) -> None:
+        info = self._pool(pool)
+        request = pb.UnregisterPoolRequest(request_id=self._rid(), pool_id=info.pool_id)
+        self._call(self._stub.UnregisterPool, request, retry=retry)
+        del self._pools[info.pool_id]
+        if self._default == info.pool_id:
+            self._default = next(iter(self._pools), None)
+
+    # ---- keys -----------------------------------------------------------------------------------
+    def page_keys(
+        self, token_ids: Sequence[int] | np.ndarray, parent: bytes | None = None, pool: str | None = None
+    ) -> list[bytes]:
+        """Keys of the full pages of `token_ids` with the pool's page size, namespace and hash."""
+        info = self._pool(pool)
+        return page_keys(token_ids, info.page_size, info.namespace, parent, info.key_hash)  # type: ignore[arg-type]
+
+    # ---- calls -----------------------------------------------------------------------------------
+    def offload(self, keys: Sequence[bytes], device_pages: Sequence[int], *, pool: str | None = None) -> TransferResult:
+        """Copy device_pages[i] to the host under keys[i]: STORED, DEDUPLICATED or NO_SPACE each."""
+        req = pb.OffloadRequest(
+            request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), device_pages=_ints(device_pages)
+        )
+        r = self._call(self._stub.Offload, req)
+        return TransferResult(wire.statuses_from_pb(r.statuses), r.bytes_copied)
+
+    def reload(
+        self, keys: Sequence[bytes], device_pages: Sequence[int], *, layerwise: bool = False, pool: str | None = None
+    ) -> ReloadHandle:
+        """Copy keys[i] from the host into device_pages[i]; absent keys are NOT_FOUND and their
+        device pages untouched. Not layer-wise, the copy is done when this returns."""
+        info = self._pool(pool)
+        req = pb.ReloadRequest(
+            request_id=self._rid(),
+            pool_id=info.pool_id,
+            keys=list(keys),
+            device_pages=_ints(device_pages),
+            layerwise=layerwise,
+        )
+        r = self._call(self._stub.Reload, req)
+        result = TransferResult(wire.statuses_from_pb(r.statuses), r.bytes_copied, r.op_id, r.done)
+        watch_req = pb.WatchRequest(pool_id=info.pool_id, op_id=r.op_id)
+
+        def watch() -> Any:
+            return self._stub.Watch(watch_req, timeout=self.timeout, metadata=self._metadata)
+
+        return ReloadHandle(result, info.layer_num, None if r.done else watch)
+
+    def prefetch(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
+        req = pb.PrefetchRequest(request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys))
+        return wire.statuses_from_pb(self._call(self._stub.Prefetch, req).statuses)
+
+    def evict(self, keys: Sequence[bytes] = (), num_pages: int = 0, *, pool: str | None = None) -> EvictResult:
+        """Drop `keys`, or free num_pages host pages, least recently used first."""
+        req = pb.EvictRequest(
+            request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), num_pages=num_pages
+        )
+        r = self._call(self._stub.Evict, req)
+        return EvictResult(wire.statuses_from_pb(r.statuses), r.pages_freed)
+
+    def lookup(self, keys: Sequence[bytes], *, pool: str | None = None) -> LookupResult:
+        req = pb.LookupRequest(pool_id=self._pool(pool).pool_id, keys=list(keys))
+        return wire.lookup_from_pb(self._call(self._stub.Lookup, req))
+
+    def pin(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
+        req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys))
+        return wire.statuses_from_pb(self._call(self._stub.Pin, req).statuses)
+
+    def unpin(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
+        req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys))
+        return wire.statuses_from_pb(self._call(self._stub.Unpin, req).statuses)
+
+    def stats(self, pool: str | None = None, *, all_pools: bool = False) -> list[PoolStats]:
+        """Stats of one pool (default: the default pool), or of every pool on the sidecar."""
+        pool_id = "" if all_pools else self._pool(pool).pool_id
+        r = self._call(self._stub.GetStats, pb.GetStatsRequest(pool_id=pool_id))
+        return [wire.stats_from_pb(s) for s in r.pools]
+
+    def close(self) -> None:
+        """Unregister this client's pools (best effort) and close the channel. Idempotent."""
+        self._stop.set()
+        for pool_id in list(self._pools):
+            try:
+                self.unregister(pool_id, retry=False)  # a dead sidecar fails fast
+            except HiCacheRpcError:
+                self._pools.pop(pool_id, None)
+        self._channel.close()
+
+    def __enter__(self) -> HiCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _ints(pages: Sequence[int] | np.ndarray) -> list[int]:
+    return [int(p) for p in (pages.tolist() if isinstance(pages, np.ndarray) else pages)]

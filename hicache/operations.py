@@ -1,0 +1,74 @@
+"""Asynchronous operations and their progress events (what Watch streams)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from hicache.service_types import OpEvent
+
+
+class Operation:
+    """An operation's event log: LAYER_DONE events, then one DONE or FAILED. Thread-safe."""
+
+    def __init__(self, op_id: str, layer_num: int):
+        self.op_id = op_id
+        self.layer_num = layer_num
+        self._cond = threading.Condition()
+        self._events: list[OpEvent] = []
+        self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        with self._cond:
+            return self._finished
+
+    def layer_done(self, layer: int, layers_done: int) -> None:
+        self._publish(OpEvent("layer_done", layer, layers_done, self.layer_num))
+
+    def done(self) -> None:
+        self._publish(OpEvent("done", 0, self.layer_num, self.layer_num))
+
+    def failed(self, error: str, layers_done: int) -> None:
+        self._publish(OpEvent("failed", 0, layers_done, self.layer_num, error))
+
+    def _publish(self, event: OpEvent) -> None:
+        with self._cond:
+            assert not self._finished, f"operation {self.op_id} already finished"
+            self._events.append(event)
+            self._finished = event.kind != "layer_done"
+            self._cond.notify_all()
+
+    def events_since(self, start: int, timeout: float | None) -> tuple[list[OpEvent], bool]:
+        """Events from index `start` on, waiting up to `timeout` s for one; and whether finished."""
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._events) > start or self._finished, timeout)
+            return self._events[start:], self._finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until finished; returns whether it did within `timeout`."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._finished, timeout)
+
+
+class OperationTable:
+    """Operations by id; keeps every unfinished one and the newest `keep_finished` finished."""
+
+    def __init__(self, keep_finished: int):
+        self.keep_finished = keep_finished
+        self._ops: OrderedDict[str, Operation] = OrderedDict()
+
+    def add(self, op: Operation) -> None:
+        self._ops[op.op_id] = op
+        finished = [k for k, o in self._ops.items() if o.finished]
+        for key in finished[: max(0, len(finished) - self.keep_finished)]:
+            del self._ops[key]
+
+    def get(self, op_id: str) -> Operation:
+        op = self._ops.get(op_id)
+        if op is None:
+            raise KeyError(f"unknown operation id {op_id!r}")
+        return op
+
+    def in_flight(self) -> list[Operation]:
+        return [o for o in self._ops.values() if not o.finished]

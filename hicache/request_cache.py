@@ -1,0 +1,92 @@
+"""Idempotent retries: a bounded memory of recent request ids and their answers."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+MAX_REQUEST_ID = 128
+
+
+def fingerprint(*parts: Any) -> str:
+    """A digest of a call's arguments, to tell a true retry from a reused id."""
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, bytes):
+            h.update(len(part).to_bytes(4, "little") + part)
+        elif isinstance(part, list | tuple):
+            h.update(b"[" + fingerprint(*part).encode() + b"]")
+        else:
+            h.update(repr(part).encode() + b"\x00")
+    return h.hexdigest()
+
+
+class _Slot:
+    __slots__ = ("digest", "done", "ok", "result")
+
+    def __init__(self, digest: str):
+        self.digest = digest
+        self.done = threading.Event()
+        self.ok = False
+        self.result: Any = None
+
+
+class RequestCache:
+    """Maps (scope, request id) to the first successful answer, keeping the newest `capacity`.
+
+    A retry with the same id and arguments gets the stored answer; a concurrent retry waits
+    for the first attempt. A failed attempt stores nothing (failures change no state), so a
+    retry runs again. Raises ValueError for an empty or overlong id, or an id reused with
+    different arguments.
+    """
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._slots: OrderedDict[tuple[str, str, str], _Slot] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def run(self, scope: tuple[str, str], request_id: str, digest: str, fn: Callable[[], T]) -> T:
+        """fn() once per (scope, request_id); scope is (method, pool id)."""
+        if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID:
+            raise ValueError(
+                f"request_id must be a non-empty str of at most {MAX_REQUEST_ID} chars, got {request_id!r}"
+            )
+        key = (*scope, request_id)
+        while True:
+            with self._lock:
+                slot = self._slots.get(key)
+                if slot is None:
+                    slot = self._slots[key] = _Slot(digest)
+                    mine = True
+                else:
+                    mine = False
+                    if slot.digest != digest:
+                        raise ValueError(f"request_id {request_id!r} was already used for a different {scope[0]} call")
+            if mine:
+                break
+            slot.done.wait()
+            if slot.ok:
+                return slot.result  # type: ignore[no-any-return]
+            # the first attempt failed and was forgotten: try again as the owner
+        try:
+            result = fn()
+        except BaseException:
+            with self._lock:
+                self._slots.pop(key, None)
+            slot.done.set()
+            raise
+        slot.result, slot.ok = result, True
+        slot.done.set()
+        with self._lock:
+            while len(self._slots) > self.capacity:
+                self._slots.popitem(last=False)
+        return result

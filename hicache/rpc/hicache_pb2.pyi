@@ -1,0 +1,364 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KeyStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KEY_STATUS_UNSPECIFIED: _ClassVar[KeyStatus]
+    KEY_STATUS_STORED: _ClassVar[KeyStatus]
+    KEY_STATUS_DEDUPLICATED: _ClassVar[KeyStatus]
+    KEY_STATUS_NO_SPACE: _ClassVar[KeyStatus]
+    KEY_STATUS_LOADED: _ClassVar[KeyStatus]
+    KEY_STATUS_NOT_FOUND: _ClassVar[KeyStatus]
+    KEY_STATUS_RESIDENT: _ClassVar[KeyStatus]
+    KEY_STATUS_MISSING: _ClassVar[KeyStatus]
+    KEY_STATUS_EVICTED: _ClassVar[KeyStatus]
+    KEY_STATUS_BUSY: _ClassVar[KeyStatus]
+    KEY_STATUS_PINNED: _ClassVar[KeyStatus]
+    KEY_STATUS_UNPINNED: _ClassVar[KeyStatus]
+    KEY_STATUS_NOT_PINNED: _ClassVar[KeyStatus]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_NONE: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_STORAGE: _ClassVar[Tier]
+KEY_STATUS_UNSPECIFIED: KeyStatus
+KEY_STATUS_STORED: KeyStatus
+KEY_STATUS_DEDUPLICATED: KeyStatus
+KEY_STATUS_NO_SPACE: KeyStatus
+KEY_STATUS_LOADED: KeyStatus
+KEY_STATUS_NOT_FOUND: KeyStatus
+KEY_STATUS_RESIDENT: KeyStatus
+KEY_STATUS_MISSING: KeyStatus
+KEY_STATUS_EVICTED: KeyStatus
+KEY_STATUS_BUSY: KeyStatus
+KEY_STATUS_PINNED: KeyStatus
+KEY_STATUS_UNPINNED: KeyStatus
+KEY_STATUS_NOT_PINNED: KeyStatus
+TIER_UNSPECIFIED: Tier
+TIER_NONE: Tier
+TIER_HOST: Tier
+TIER_STORAGE: Tier
+
+class Geometry(_message.Message):
+    __slots__ = ("attention", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "page_size", "dtype", "layer_ids")
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    LAYER_NUM_FIELD_NUMBER: _ClassVar[int]
+    HEAD_NUM_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    V_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    QK_ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    attention: str
+    layer_num: int
+    head_num: int
+    head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    page_size: int
+    dtype: str
+    layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, attention: _Optional[str] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MemoryHandle(_message.Message):
+    __slots__ = ("kind", "nbytes", "shm_name", "cuda_ipc_handle", "offset", "cuda_device")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    nbytes: int
+    shm_name: str
+    cuda_ipc_handle: bytes
+    offset: int
+    cuda_device: int
+    def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., cuda_device: _Optional[int] = ...) -> None: ...
+
+class RegisterPoolRequest(_message.Message):
+    __slots__ = ("request_id", "group", "geometry", "device_pages", "device_memory", "namespace", "model_id", "key_hash")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_HASH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    group: str
+    geometry: Geometry
+    device_pages: int
+    device_memory: MemoryHandle
+    namespace: str
+    model_id: str
+    key_hash: str
+    def __init__(self, request_id: _Optional[str] = ..., group: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., device_memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., key_hash: _Optional[str] = ...) -> None: ...
+
+class RegisterPoolResponse(_message.Message):
+    __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout_s")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HOST_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KEY_HASH_FIELD_NUMBER: _ClassVar[int]
+    KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    host_pages: int
+    host_shm_name: str
+    host_layout: str
+    host_nbytes: int
+    geometry_fingerprint: str
+    key_hash: str
+    key_bytes: int
+    lease_timeout_s: float
+    def __init__(self, pool_id: _Optional[str] = ..., host_pages: _Optional[int] = ..., host_shm_name: _Optional[str] = ..., host_layout: _Optional[str] = ..., host_nbytes: _Optional[int] = ..., geometry_fingerprint: _Optional[str] = ..., key_hash: _Optional[str] = ..., key_bytes: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
+
+class UnregisterPoolRequest(_message.Message):
+    __slots__ = ("request_id", "pool_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool_id: str
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterPoolResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_timeout_s",)
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    lease_timeout_s: float
+    def __init__(self, lease_timeout_s: _Optional[float] = ...) -> None: ...
+
+class OffloadRequest(_message.Message):
+    __slots__ = ("request_id", "pool_id", "keys", "device_pages")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OffloadResponse(_message.Message):
+    __slots__ = ("statuses", "bytes_copied")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
+    bytes_copied: int
+    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., bytes_copied: _Optional[int] = ...) -> None: ...
+
+class ReloadRequest(_message.Message):
+    __slots__ = ("request_id", "pool_id", "keys", "device_pages", "layerwise")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYERWISE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    layerwise: bool
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ..., layerwise: _Optional[bool] = ...) -> None: ...
+
+class ReloadResponse(_message.Message):
+    __slots__ = ("statuses", "op_id", "done", "bytes_copied")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
+    op_id: str
+    done: bool
+    bytes_copied: int
+    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., op_id: _Optional[str] = ..., done: _Optional[bool] = ..., bytes_copied: _Optional[int] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("request_id", "pool_id", "keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("statuses",)
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("request_id", "pool_id", "keys", "num_pages")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    num_pages: int
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_pages: _Optional[int] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("statuses", "pages_freed")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FREED_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
+    pages_freed: int
+    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., pages_freed: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("pool_id", "keys")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("prefix_length", "tiers")
+    PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    prefix_length: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, prefix_length: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("request_id", "pool_id", "keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("statuses",)
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "pages", "bytes", "hits", "misses")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    pages: int
+    bytes: int
+    hits: int
+    misses: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("pool_id", "group", "namespace", "model_id", "device_pages", "host_pages", "used_pages", "pinned_pages", "page_bytes", "tiers", "offload_bytes", "offload_gbps", "reload_bytes", "reload_gbps", "ops_in_flight")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_GBPS_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_GBPS_FIELD_NUMBER: _ClassVar[int]
+    OPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    group: str
+    namespace: str
+    model_id: str
+    device_pages: int
+    host_pages: int
+    used_pages: int
+    pinned_pages: int
+    page_bytes: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    offload_bytes: int
+    offload_gbps: float
+    reload_bytes: int
+    reload_gbps: float
+    ops_in_flight: int
+    def __init__(self, pool_id: _Optional[str] = ..., group: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., device_pages: _Optional[int] = ..., host_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offload_bytes: _Optional[int] = ..., offload_gbps: _Optional[float] = ..., reload_bytes: _Optional[int] = ..., reload_gbps: _Optional[float] = ..., ops_in_flight: _Optional[int] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("pools", "ops_in_flight")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    OPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
+    ops_in_flight: int
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., ops_in_flight: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("pool_id", "op_id")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    op_id: str
+    def __init__(self, pool_id: _Optional[str] = ..., op_id: _Optional[str] = ...) -> None: ...
+
+class WatchEvent(_message.Message):
+    __slots__ = ("op_id", "kind", "layer", "layers_done", "layer_num", "error")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[WatchEvent.Kind]
+        KIND_LAYER_DONE: _ClassVar[WatchEvent.Kind]
+        KIND_DONE: _ClassVar[WatchEvent.Kind]
+        KIND_FAILED: _ClassVar[WatchEvent.Kind]
+    KIND_UNSPECIFIED: WatchEvent.Kind
+    KIND_LAYER_DONE: WatchEvent.Kind
+    KIND_DONE: WatchEvent.Kind
+    KIND_FAILED: WatchEvent.Kind
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_DONE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_NUM_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    kind: WatchEvent.Kind
+    layer: int
+    layers_done: int
+    layer_num: int
+    error: str
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., layer_num: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...

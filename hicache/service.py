@@ -1,0 +1,295 @@
+"""HiCacheService: the sidecar's logic, callable without gRPC.
+
+It holds registered pools by id, checks each engine's geometry against the one the sidecar
+derived from the model config, maps the engine's device memory, creates a host pool per
+registered pool, and serves offload / reload / prefetch / evict / lookup / pin calls.
+Every mutating call takes a client-chosen request_id and is idempotent on retry. A pool
+whose client stops calling for lease_timeout_s is reclaimed by reap_expired().
+
+Errors follow hicache.service_types: ValueError / KeyError / StateError, and NoSpace returns.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from hicache.geometry import KVGeometry
+from hicache.keys import KEY_BYTES
+from hicache.memory import CudaIpcOpens, MemoryHandle, shm_dir
+from hicache.operations import Operation
+from hicache.pools import HostKVPool
+from hicache.registration import check_geometry, map_device
+from hicache.request_cache import RequestCache, fingerprint
+from hicache.service_types import (
+    EvictResult,
+    KeyStatus,
+    LookupResult,
+    NoSpace,
+    OpEvent,
+    PoolInfo,
+    PoolStats,
+    ServiceConfig,
+    StateError,
+    TransferResult,
+)
+from hicache.sidecar_pool import PoolIdentity, RegisteredPool
+
+
+class HiCacheService:
+    """Thread-safe. Call close() to release every pool (the server does on SIGTERM)."""
+
+    def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self._clock = clock
+        self._lock = threading.Lock()  # guards _pools, _leases and _closed
+        self._pools: dict[str, RegisteredPool] = {}
+        self._leases: dict[str, float] = {}  # pool id -> deadline on self._clock
+        self._requests = RequestCache(config.request_cache_size)
+        self._ipc = CudaIpcOpens()
+        self._closed = False
+
+    # ---- registration -----------------------------------------------------------------------
+    def register(
+        self,
+        request_id: str,
+        *,
+        geometry: KVGeometry,
+        device_pages: int,
+        device_memory: MemoryHandle,
+        group: str = "full",
+        namespace: str = "",
+        model_id: str = "",
+        key_hash: str = "sha256",
+        cuda_device: int = 0,
+    ) -> PoolInfo | NoSpace:
+        """Validate the geometry, map the device memory, create the host pool.
+
+        Raises ValueError naming each geometry field that differs from the expected one, or
+        a bad page count, memory handle or key hash. Returns NoSpace when the pool limit is
+        reached or the host memory does not fit.
+        """
+        args = fingerprint(
+            geometry.to_dict(), device_pages, repr(device_memory), group, namespace, model_id, key_hash, cuda_device
+        )
+        return self._requests.run(
+            ("register", ""),
+            request_id,
+            args,
+            lambda: self._register(
+                geometry, device_pages, device_memory, group, namespace, model_id, key_hash, cuda_device
+            ),
+        )
+
+    def _register(
+        self,
+        geometry: KVGeometry,
+        device_pages: int,
+        memory: MemoryHandle,
+        group: str,
+        namespace: str,
+        model_id: str,
+        key_hash: str,
+        cuda_device: int,
+    ) -> PoolInfo | NoSpace:
+        check_geometry(self.config.expected, group, geometry)
+        if isinstance(device_pages, bool) or not isinstance(device_pages, int) or device_pages < 1:
+            raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
+        if key_hash not in KEY_BYTES:
+            raise ValueError(f"unknown key hash {key_hash!r}; expected one of {list(KEY_BYTES)}")
+        for name, value in (("namespace", namespace), ("model_id", model_id)):
+            if not isinstance(value, str):
+                raise ValueError(f"{name} must be a str, got {type(value).__name__}")
+        need = geometry.pool_bytes(device_pages)
+        if memory.nbytes != need:
+            raise ValueError(
+                f"device memory holds {memory.nbytes} bytes but {device_pages} pages of this geometry need {need}"
+            )
+        host_pages = self.config.host_pages_for(geometry, device_pages)
+        host_bytes = geometry.pool_bytes(host_pages)
+        with self._lock:
+            if self._closed:
+                raise StateError("the service is shut down")
+            if len(self._pools) >= self.config.max_pools:
+                return NoSpace(f"{len(self._pools)} pools registered, the limit is {self.config.max_pools}")
+        free = shutil.disk_usage(shm_dir()).free
+        if host_bytes > free:
+            return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
+        device = map_device(geometry, device_pages, memory, cuda_device, self._ipc)
+        try:
+            host = HostKVPool(geometry, host_pages, self.config.host_layout)
+        except BaseException:
+            device.close()
+            raise
+        identity = PoolIdentity(
+            "pool-" + secrets.token_hex(8), group, namespace, model_id, key_hash, KEY_BYTES[key_hash]
+        )
+        pool = RegisteredPool(
+            identity,
+            device,
+            host,
+            max_batch=self.config.max_batch,
+            finished_ops_kept=self.config.finished_ops_kept,
+        )
+        with self._lock:
+            self._pools[identity.pool_id] = pool
+            self._leases[identity.pool_id] = self._clock() + self.config.lease_timeout_s
+        return PoolInfo(
+            identity.pool_id,
+            host_pages,
+            host.handle.name,
+            host.layout_name,
+            host.nbytes,
+            geometry.fingerprint,
+            key_hash,
+            identity.key_bytes,
+            self.config.lease_timeout_s,
+        )
+
+    def check_geometry(self, group: str, geometry: KVGeometry) -> None:
+        """Raises ValueError for a group the model lacks or a geometry other than expected."""
+        check_geometry(self.config.expected, group, geometry)
+
+    def unregister(self, request_id: str, pool_id: str) -> bool:
+        """Release the pool after its in-flight transfers. Raises KeyError for an unknown id."""
+        return self._requests.run(("unregister", pool_id), request_id, "", lambda: self._release(pool_id))
+
+    def _release(self, pool_id: str) -> bool:
+        with self._lock:
+            pool = self._pools.pop(pool_id, None)
+            self._leases.pop(pool_id, None)
+        if pool is None:
+            raise KeyError(f"unknown pool id {pool_id!r}")
+        pool.close()
+        return True
+
+    # ---- leases -------------------------------------------------------------------------------
+    def pool(self, pool_id: str) -> RegisteredPool:
+        """The pool, with its lease renewed. Raises KeyError for an unknown id."""
+        with self._lock:
+            pool = self._pools.get(pool_id)
+            if pool is None:
+                raise KeyError(f"unknown pool id {pool_id!r}")
+            self._leases[pool_id] = self._clock() + self.config.lease_timeout_s
+            return pool
+
+    def keep_alive(self, pool_id: str) -> float:
+        """Renew the lease; returns the lease timeout in seconds."""
+        self.pool(pool_id)
+        return self.config.lease_timeout_s
+
+    def reap_expired(self) -> list[str]:
+        """Release every pool whose lease ran out; returns their ids."""
+        now = self._clock()
+        with self._lock:
+            expired = [pid for pid, deadline in self._leases.items() if deadline < now]
+        released = []
+        for pool_id in expired:
+            try:
+                self._release(pool_id)
+                released.append(pool_id)
+            except KeyError:
+                pass  # unregistered meanwhile
+        return released
+
+    # ---- calls on a pool -------------------------------------------------------------------------
+    def offload(
+        self, request_id: str, pool_id: str, keys: Sequence[bytes], device_pages: Sequence[int]
+    ) -> TransferResult:
+        pool = self.pool(pool_id)
+        args = fingerprint(list(keys), list(device_pages))
+        return self._requests.run(("offload", pool_id), request_id, args, lambda: pool.offload(keys, device_pages))
+
+    def reload(
+        self,
+        request_id: str,
+        pool_id: str,
+        keys: Sequence[bytes],
+        device_pages: Sequence[int],
+        *,
+        layerwise: bool = False,
+    ) -> TransferResult:
+        pool = self.pool(pool_id)
+        args = fingerprint(list(keys), list(device_pages), layerwise)
+        return self._requests.run(
+            ("reload", pool_id), request_id, args, lambda: pool.reload(keys, device_pages, layerwise=layerwise)
+        )
+
+    def prefetch(self, request_id: str, pool_id: str, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
+        pool = self.pool(pool_id)
+        return self._requests.run(
+            ("prefetch", pool_id), request_id, fingerprint(list(keys)), lambda: pool.prefetch(keys)
+        )
+
+    def evict(self, request_id: str, pool_id: str, keys: Sequence[bytes] = (), num_pages: int = 0) -> EvictResult:
+        pool = self.pool(pool_id)
+        args = fingerprint(list(keys), num_pages)
+        return self._requests.run(("evict", pool_id), request_id, args, lambda: pool.evict(keys, num_pages))
+
+    def lookup(self, pool_id: str, keys: Sequence[bytes]) -> LookupResult:
+        return self.pool(pool_id).lookup(keys)
+
+    def pin(self, request_id: str, pool_id: str, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
+        pool = self.pool(pool_id)
+        return self._requests.run(("pin", pool_id), request_id, fingerprint(list(keys)), lambda: pool.pin(keys))
+
+    def unpin(self, request_id: str, pool_id: str, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
+        pool = self.pool(pool_id)
+        return self._requests.run(("unpin", pool_id), request_id, fingerprint(list(keys)), lambda: pool.unpin(keys))
+
+    def stats(self, pool_id: str = "") -> list[PoolStats]:
+        """One entry per pool, or for pool_id only. Raises KeyError for an unknown id."""
+        if pool_id:
+            return [self.pool(pool_id).stats()]
+        with self._lock:
+            pools = list(self._pools.values())
+        return [p.stats() for p in pools]
+
+    def operation(self, pool_id: str, op_id: str) -> Operation:
+        """Raises KeyError for an unknown pool or operation id."""
+        return self.pool(pool_id).operation(op_id)
+
+    def watch(
+        self, pool_id: str, op_id: str, *, cancelled: Callable[[], bool] = lambda: False, poll_s: float = 0.25
+    ) -> Iterator[OpEvent]:
+        """Every event of the operation from its start, blocking for new ones, until it
+        finishes or cancelled() is true. Raises KeyError for an unknown id."""
+        op = self.operation(pool_id, op_id)
+
+        def events() -> Iterator[OpEvent]:
+            seen = 0
+            while not cancelled():
+                new, finished = op.events_since(seen, poll_s)
+                seen += len(new)
+                yield from new
+                if finished and not new:
+                    return
+
+        return events()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    @property
+    def pool_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._pools)
+
+    def close(self) -> None:
+        """Refuse new registrations and release every pool after its in-flight work. Idempotent."""
+        with self._lock:
+            self._closed = True
+            ids = list(self._pools)
+        for pool_id in ids:
+            try:
+                self._release(pool_id)
+            except KeyError:
+                pass
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            pools = list(self._pools.values())
+            assert set(self._pools) == set(self._leases)
+        for pool in pools:
+            pool.check_integrity()

@@ -1,0 +1,185 @@
+"""The sidecar service's configuration, results and errors (no gRPC, no torch).
+
+Error policy (the servicer maps these to gRPC status codes, nothing else does):
+- ValueError: a caller's mistake (bad page, key, geometry, batch size), naming the value.
+- KeyError: an unknown pool id or operation id.
+- StateError: the call is well formed but the pool cannot take it now (closing, shut down).
+- NoSpace: returned, not raised, when a whole call cannot proceed for lack of memory.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from hicache.geometry import KVGeometry
+from hicache.pools.layouts import LAYOUTS
+
+
+class StateError(RuntimeError):
+    """The pool or service is in a state that refuses the call (closing, shut down)."""
+
+
+class KeyStatus(enum.Enum):
+    """Per-key outcome; names match hicache.v1.KeyStatus without the KEY_STATUS_ prefix."""
+
+    STORED = "stored"  # offload: copied to host
+    DEDUPLICATED = "deduplicated"  # offload: already resident
+    NO_SPACE = "no_space"  # offload: no free or evictable host page
+    LOADED = "loaded"  # reload: copied to the device page
+    NOT_FOUND = "not_found"  # not resident in host memory
+    RESIDENT = "resident"  # prefetch: already in host memory
+    MISSING = "missing"  # prefetch: in no tier
+    EVICTED = "evicted"
+    BUSY = "busy"  # evict: pinned or being read
+    PINNED = "pinned"
+    UNPINNED = "unpinned"
+    NOT_PINNED = "not_pinned"
+
+
+class Tier(enum.Enum):
+    NONE = "none"
+    HOST = "host"
+    STORAGE = "storage"
+
+
+@dataclass(frozen=True)
+class NoSpace:
+    """A whole call could not proceed for lack of memory or pool slots."""
+
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """How the service sizes and guards pools.
+
+    expected: the geometry per group ("full", "swa") the sidecar accepts, derived from the
+    model config; None accepts any valid geometry. Host pool pages per registered pool:
+    hicache_size_gb * 1e9 // page_bytes when hicache_size_gb > 0, else
+    hicache_ratio * device pages (SGLang's --hicache-size / --hicache-ratio).
+    """
+
+    expected: dict[str, KVGeometry] | None = None
+    hicache_size_gb: float = 0.0
+    hicache_ratio: float = 2.0
+    host_layout: str = "layer_first"
+    lease_timeout_s: float = 30.0
+    max_batch: int = 65536
+    max_pools: int = 64
+    request_cache_size: int = 4096
+    finished_ops_kept: int = 256
+
+    def __post_init__(self) -> None:
+        if self.hicache_size_gb < 0:
+            raise ValueError(f"hicache_size_gb must be >= 0, got {self.hicache_size_gb}")
+        if self.hicache_size_gb == 0 and self.hicache_ratio <= 0:
+            raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if self.host_layout not in LAYOUTS:
+            raise ValueError(f"unknown host layout {self.host_layout!r}; expected one of {list(LAYOUTS)}")
+        if self.lease_timeout_s <= 0:
+            raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
+        for name in ("max_batch", "max_pools", "request_cache_size", "finished_ops_kept"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def host_pages_for(self, geometry: KVGeometry, device_pages: int) -> int:
+        """Host pool pages for a pool of device_pages pages of `geometry` (at least 1)."""
+        if self.hicache_size_gb > 0:
+            return max(1, int(self.hicache_size_gb * 1e9) // geometry.page_bytes)
+        return max(1, int(self.hicache_ratio * device_pages))
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """What RegisterPool returns."""
+
+    pool_id: str
+    host_pages: int
+    host_shm_name: str
+    host_layout: str
+    host_nbytes: int
+    geometry_fingerprint: str
+    key_hash: str
+    key_bytes: int
+    lease_timeout_s: float
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Offload / Reload answer: one status per key, in request order."""
+
+    statuses: tuple[KeyStatus, ...]
+    bytes_copied: int = 0
+    op_id: str = ""
+    done: bool = True
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    statuses: tuple[KeyStatus, ...]
+    pages_freed: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    prefix_length: int
+    tiers: tuple[Tier, ...]
+
+
+@dataclass(frozen=True)
+class TierStats:
+    tier: Tier
+    pages: int
+    bytes: int
+    hits: int
+    misses: int
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    pool_id: str
+    group: str
+    namespace: str
+    model_id: str
+    device_pages: int
+    host_pages: int
+    used_pages: int
+    pinned_pages: int
+    page_bytes: int
+    tiers: tuple[TierStats, ...]
+    offload_bytes: int
+    offload_gbps: float
+    reload_bytes: int
+    reload_gbps: float
+    ops_in_flight: int
+
+
+@dataclass(frozen=True)
+class OpEvent:
+    """One progress event of an asynchronous operation."""
+
+    kind: str  # "layer_done", "done" or "failed"
+    layer: int = 0  # pool-local layer index, for "layer_done"
+    layers_done: int = 0
+    layer_num: int = 0
+    error: str = ""
+
+
+@dataclass
+class Counters:
+    """Cumulative per-pool counters (guarded by the pool's lock)."""
+
+    host_hits: int = 0
+    host_misses: int = 0
+    offload_bytes: int = 0
+    offload_s: float = 0.0
+    reload_bytes: int = 0
+    reload_s: float = 0.0
+    stored: int = 0
+    deduplicated: int = 0
+    no_space: int = 0
+
+    @staticmethod
+    def gbps(nbytes: int, seconds: float) -> float:
+        return nbytes / seconds / 1e9 if seconds > 0 else 0.0

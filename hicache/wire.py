@@ -1,0 +1,144 @@
+"""Conversions between hicache.v1 protobuf messages and the library's types.
+
+Shared by the servicer and the client so that both sides read and write one format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from hicache.geometry import KVGeometry
+from hicache.memory import MemoryHandle
+from hicache.rpc import hicache_pb2 as pb
+from hicache.service_types import KeyStatus, LookupResult, OpEvent, PoolStats, Tier, TierStats
+
+_EVENT_KINDS = {
+    "layer_done": pb.WatchEvent.KIND_LAYER_DONE,
+    "done": pb.WatchEvent.KIND_DONE,
+    "failed": pb.WatchEvent.KIND_FAILED,
+}
+_EVENT_NAMES = {v: k for k, v in _EVENT_KINDS.items()}
+
+
+def geometry_to_pb(g: KVGeometry) -> pb.Geometry:
+    d = g.to_dict()
+    return pb.Geometry(**d)
+
+
+def geometry_from_pb(msg: pb.Geometry) -> KVGeometry:
+    """Raises ValueError (from KVGeometry) for an invalid geometry."""
+    mla = msg.attention == "mla"
+    return KVGeometry(
+        attention=msg.attention,  # type: ignore[arg-type]  # KVGeometry validates it
+        layer_num=msg.layer_num,
+        head_num=msg.head_num,
+        head_dim=None if mla and not msg.head_dim else msg.head_dim,
+        v_head_dim=None if mla and not msg.v_head_dim else msg.v_head_dim,
+        kv_lora_rank=msg.kv_lora_rank,
+        qk_rope_head_dim=msg.qk_rope_head_dim,
+        page_size=msg.page_size,
+        dtype=msg.dtype,
+        layer_ids=tuple(msg.layer_ids) if msg.layer_ids else None,
+    )
+
+
+def memory_to_pb(h: MemoryHandle, cuda_device: int = 0) -> pb.MemoryHandle:
+    return pb.MemoryHandle(
+        kind=h.kind,
+        nbytes=h.nbytes,
+        shm_name=h.name,
+        cuda_ipc_handle=h.ipc_handle,
+        offset=h.offset,
+        cuda_device=cuda_device,
+    )
+
+
+def memory_from_pb(msg: pb.MemoryHandle) -> MemoryHandle:
+    if msg.kind not in ("shm", "cuda_ipc"):
+        raise ValueError(f"device memory kind must be 'shm' or 'cuda_ipc', got {msg.kind!r}")
+    return MemoryHandle(msg.kind, msg.nbytes, name=msg.shm_name, ipc_handle=msg.cuda_ipc_handle, offset=msg.offset)  # type: ignore[arg-type]
+
+
+def statuses_to_pb(statuses: Iterable[KeyStatus]) -> list[Any]:
+    return [pb.KeyStatus.Value("KEY_STATUS_" + s.name) for s in statuses]
+
+
+def statuses_from_pb(values: Iterable[int]) -> tuple[KeyStatus, ...]:
+    return tuple(KeyStatus[pb.KeyStatus.Name(v).removeprefix("KEY_STATUS_")] for v in values)  # type: ignore[arg-type]
+
+
+def tier_to_pb(t: Tier) -> Any:
+    return pb.Tier.Value("TIER_" + t.name)
+
+
+def tier_from_pb(v: int) -> Tier:
+    return Tier[pb.Tier.Name(v).removeprefix("TIER_")]  # type: ignore[arg-type]
+
+
+def lookup_to_pb(r: LookupResult) -> pb.LookupResponse:
+    return pb.LookupResponse(prefix_length=r.prefix_length, tiers=[tier_to_pb(t) for t in r.tiers])
+
+
+def lookup_from_pb(msg: pb.LookupResponse) -> LookupResult:
+    return LookupResult(msg.prefix_length, tuple(tier_from_pb(t) for t in msg.tiers))
+
+
+def event_to_pb(op_id: str, e: OpEvent) -> pb.WatchEvent:
+    return pb.WatchEvent(
+        op_id=op_id,
+        kind=_EVENT_KINDS[e.kind],
+        layer=e.layer,
+        layers_done=e.layers_done,
+        layer_num=e.layer_num,
+        error=e.error,
+    )
+
+
+def event_from_pb(msg: pb.WatchEvent) -> OpEvent:
+    return OpEvent(_EVENT_NAMES.get(msg.kind, "failed"), msg.layer, msg.layers_done, msg.layer_num, msg.error)
+
+
+def stats_to_pb(s: PoolStats) -> pb.PoolStats:
+    tiers = [
+        pb.TierStats(tier=tier_to_pb(t.tier), pages=t.pages, bytes=t.bytes, hits=t.hits, misses=t.misses)
+        for t in s.tiers
+    ]
+    return pb.PoolStats(
+        pool_id=s.pool_id,
+        group=s.group,
+        namespace=s.namespace,
+        model_id=s.model_id,
+        device_pages=s.device_pages,
+        host_pages=s.host_pages,
+        used_pages=s.used_pages,
+        pinned_pages=s.pinned_pages,
+        page_bytes=s.page_bytes,
+        tiers=tiers,
+        offload_bytes=s.offload_bytes,
+        offload_gbps=s.offload_gbps,
+        reload_bytes=s.reload_bytes,
+        reload_gbps=s.reload_gbps,
+        ops_in_flight=s.ops_in_flight,
+    )
+
+
+def stats_from_pb(m: pb.PoolStats) -> PoolStats:
+    tiers = tuple(TierStats(tier_from_pb(t.tier), t.pages, t.bytes, t.hits, t.misses) for t in m.tiers)
+    return PoolStats(
+        m.pool_id,
+        m.group,
+        m.namespace,
+        m.model_id,
+        m.device_pages,
+        m.host_pages,
+        m.used_pages,
+        m.pinned_pages,
+        m.page_bytes,
+        tiers,
+        m.offload_bytes,
+        m.offload_gbps,
+        m.reload_bytes,
+        m.reload_gbps,
+        m.ops_in_flight,
+    )

@@ -1,0 +1,156 @@
+"""Building and running the sidecar: create_server(config) -> (server, address), and main()."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from concurrent import futures
+from types import FrameType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from hicache.rpc import hicache_pb2 as pb
+from hicache.rpc import hicache_pb2_grpc as pb_grpc
+from hicache.service import HiCacheService
+
+from .auth import TokenInterceptor
+from .config import ServerConfig, parse_args
+from .servicer import HiCacheServicer
+
+log = logging.getLogger("hicache.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HiCache"].full_name
+
+
+class HiCacheServer:
+    """A started sidecar: the gRPC server, the service, and the lease reaper."""
+
+    def __init__(self, config: ServerConfig, grpc_server: grpc.Server, service: HiCacheService, addresses: list[str]):
+        self.config = config
+        self.grpc = grpc_server
+        self.service = service
+        self.addresses = addresses
+        self._stopped = threading.Event()
+        interval = config.reap_interval_s or min(1.0, config.service.lease_timeout_s / 4)
+        self._reaper = threading.Thread(target=self._reap, args=(interval,), name="hicache-reaper", daemon=True)
+        self._reaper.start()
+
+    def _reap(self, interval: float) -> None:
+        while not self._stopped.wait(interval):
+            for pool_id in self.service.reap_expired():
+                log.warning("lease expired: released pool %s", pool_id)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop taking calls, let in-flight ones finish within `grace` s, release every pool
+        (in-flight transfers finish, shared memory is unlinked) and remove the socket. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.grpc.stop(self.config.grace_s if grace is None else grace).wait()
+        self.service.close()
+        self._reaper.join()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config.socket)
+
+    def wait(self) -> None:
+        self.grpc.wait_for_termination()
+
+
+def _prepare_socket(path: str) -> None:
+    """Create the socket's directory (0700 when we make it) and remove a stale socket file.
+    Raises ValueError if a live server already listens on `path`."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # stale: nobody listens
+        return
+    finally:
+        probe.close()
+    raise ValueError(f"a server already listens on {path}")
+
+
+def create_server(config: ServerConfig, service: HiCacheService | None = None) -> tuple[HiCacheServer, str]:
+    """Start a sidecar on config.socket (mode 0600) and, when given, config.listen.
+
+    Returns (server, address) where address is the "unix://" target of the socket.
+    Raises ValueError for a socket already in use or a TCP port that cannot be bound.
+    """
+    service = service or HiCacheService(config.service)
+    interceptors = [TokenInterceptor(config.token)] if config.token else []
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="hicache-rpc"),
+        interceptors=interceptors,
+        options=options,
+    )
+    pb_grpc.add_HiCacheServicer_to_server(HiCacheServicer(service), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    _prepare_socket(config.socket)
+    address = f"unix://{os.path.abspath(config.socket)}"
+    addresses = [address]
+    old_umask = os.umask(0o177)  # the socket is created 0600: only this user may connect
+    try:
+        server.add_insecure_port(address)
+        if config.listen:
+            port = server.add_insecure_port(config.listen)
+            if port == 0:
+                raise ValueError(f"cannot listen on {config.listen}")
+            addresses.append(f"{config.listen.rpartition(':')[0]}:{port}")
+        server.start()
+    except BaseException:
+        server.stop(None)
+        raise
+    finally:
+        os.umask(old_umask)
+    os.chmod(config.socket, 0o600)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("hicache sidecar listening on %s", ", ".join(addresses))
+    return HiCacheServer(config, server, service, addresses), address
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`hicache-server` / `python -m server`: run until SIGTERM or SIGINT, then shut down gracefully."""
+    try:
+        config, level = parse_args(argv)
+    except (ValueError, OSError) as exc:
+        print(f"hicache-server: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server, address = create_server(config)
+    except (ValueError, OSError) as exc:
+        print(f"hicache-server: error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"hicache-server: serving on {' '.join(server.addresses)}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    server.stop()
+    log.info("stopped")
+    return 0

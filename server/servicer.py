@@ -1,0 +1,156 @@
+"""The HiCache gRPC servicer: converts messages and maps the service's errors to status codes.
+
+It holds no logic of its own. ValueError -> INVALID_ARGUMENT, KeyError -> NOT_FOUND,
+StateError -> FAILED_PRECONDITION, a NoSpace return -> RESOURCE_EXHAUSTED, anything
+else -> INTERNAL. Authentication is the interceptor's job (server/auth.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from hicache import wire
+from hicache.rpc import hicache_pb2 as pb
+from hicache.rpc import hicache_pb2_grpc as pb_grpc
+from hicache.service import HiCacheService
+from hicache.service_types import NoSpace, StateError
+
+log = logging.getLogger("hicache.server")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Exhausted(Exception):
+    """A NoSpace answer, raised inside the servicer only to reach abort_for."""
+
+
+def abort_for(exc: BaseException, context: grpc.ServicerContext) -> NoReturn:
+    """Abort the call with the status code of `exc` (see the module docstring)."""
+    if isinstance(exc, ValueError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, KeyError):
+        context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else "not found")
+    if isinstance(exc, StateError):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, Exhausted):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    log.exception("internal error", exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    raise AssertionError("context.abort raises")
+
+
+def _mapped(method: F) -> F:
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:
+            abort_for(exc, context)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class HiCacheServicer(pb_grpc.HiCacheServicer):
+    def __init__(self, service: HiCacheService):
+        self.service = service
+
+    @_mapped
+    def RegisterPool(self, request: pb.RegisterPoolRequest, context: grpc.ServicerContext) -> pb.RegisterPoolResponse:
+        if not request.HasField("geometry") or not request.HasField("device_memory"):
+            raise ValueError("RegisterPool needs geometry and device_memory")
+        info = self.service.register(
+            request.request_id,
+            geometry=wire.geometry_from_pb(request.geometry),
+            device_pages=request.device_pages,
+            device_memory=wire.memory_from_pb(request.device_memory),
+            group=request.group or "full",
+            namespace=request.namespace,
+            model_id=request.model_id,
+            key_hash=request.key_hash or "sha256",
+            cuda_device=request.device_memory.cuda_device,
+        )
+        if isinstance(info, NoSpace):
+            raise Exhausted(info.reason)
+        return pb.RegisterPoolResponse(
+            pool_id=info.pool_id,
+            host_pages=info.host_pages,
+            host_shm_name=info.host_shm_name,
+            host_layout=info.host_layout,
+            host_nbytes=info.host_nbytes,
+            geometry_fingerprint=info.geometry_fingerprint,
+            key_hash=info.key_hash,
+            key_bytes=info.key_bytes,
+            lease_timeout_s=info.lease_timeout_s,
+        )
+
+    @_mapped
+    def UnregisterPool(
+        self, request: pb.UnregisterPoolRequest, context: grpc.ServicerContext
+    ) -> pb.UnregisterPoolResponse:
+        self.service.unregister(request.request_id, request.pool_id)
+        return pb.UnregisterPoolResponse()
+
+    @_mapped
+    def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveResponse:
+        return pb.KeepAliveResponse(lease_timeout_s=self.service.keep_alive(request.pool_id))
+
+    @_mapped
+    def Offload(self, request: pb.OffloadRequest, context: grpc.ServicerContext) -> pb.OffloadResponse:
+        r = self.service.offload(request.request_id, request.pool_id, list(request.keys), list(request.device_pages))
+        return pb.OffloadResponse(statuses=wire.statuses_to_pb(r.statuses), bytes_copied=r.bytes_copied)
+
+    @_mapped
+    def Reload(self, request: pb.ReloadRequest, context: grpc.ServicerContext) -> pb.ReloadResponse:
+        r = self.service.reload(
+            request.request_id,
+            request.pool_id,
+            list(request.keys),
+            list(request.device_pages),
+            layerwise=request.layerwise,
+        )
+        return pb.ReloadResponse(
+            statuses=wire.statuses_to_pb(r.statuses), op_id=r.op_id, done=r.done, bytes_copied=r.bytes_copied
+        )
+
+    @_mapped
+    def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
+        statuses = self.service.prefetch(request.request_id, request.pool_id, list(request.keys))
+        return pb.PrefetchResponse(statuses=wire.statuses_to_pb(statuses))
+
+    @_mapped
+    def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
+        r = self.service.evict(request.request_id, request.pool_id, list(request.keys), request.num_pages)
+        return pb.EvictResponse(statuses=wire.statuses_to_pb(r.statuses), pages_freed=r.pages_freed)
+
+    @_mapped
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        return wire.lookup_to_pb(self.service.lookup(request.pool_id, list(request.keys)))
+
+    @_mapped
+    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        statuses = self.service.pin(request.request_id, request.pool_id, list(request.keys))
+        return pb.PinResponse(statuses=wire.statuses_to_pb(statuses))
+
+    @_mapped
+    def Unpin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        statuses = self.service.unpin(request.request_id, request.pool_id, list(request.keys))
+        return pb.PinResponse(statuses=wire.statuses_to_pb(statuses))
+
+    @_mapped
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
+        pools = self.service.stats(request.pool_id)
+        return pb.GetStatsResponse(
+            pools=[wire.stats_to_pb(s) for s in pools], ops_in_flight=sum(s.ops_in_flight for s in pools)
+        )
+
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
+        try:
+            events = self.service.watch(request.pool_id, request.op_id, cancelled=lambda: not context.is_active())
+        except Exception as exc:
+            abort_for(exc, context)
+        for event in events:
+            yield wire.event_to_pb(request.op_id, event)

@@ -1,0 +1,57 @@
+"""Shared helpers for the sidecar tests: MiMo-V2-Flash geometries, services, servers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from conftest import load_config
+
+from hicache.demo import model_geometries
+from hicache.geometry import KVGeometry
+from hicache.keys import page_keys
+from hicache.memory import shm_dir
+from hicache.pools import DeviceKVPool
+from hicache.service import HiCacheService
+from hicache.service_types import ServiceConfig
+
+PAGE_SIZE = 16  # small pages keep the tests fast; the geometry is MiMo-V2-Flash's otherwise
+CONFIG_PATH = Path(__file__).parent / "fixtures" / "model_configs" / "mimo_v2_flash.json"
+
+
+def mimo_geometries(page_size: int = PAGE_SIZE) -> dict[str, KVGeometry]:
+    return model_geometries(load_config("mimo_v2_flash"), tp_size=1, page_size=page_size, dtype="bfloat16")
+
+
+def mimo_full(page_size: int = PAGE_SIZE) -> KVGeometry:
+    return mimo_geometries(page_size)["full"]
+
+
+def make_service(**overrides: object) -> HiCacheService:
+    kwargs: dict[str, object] = {"expected": mimo_geometries(), "hicache_ratio": 2.0}
+    kwargs.update(overrides)
+    return HiCacheService(ServiceConfig(**kwargs))  # type: ignore[arg-type]
+
+
+def filled_device(num_pages: int = 8, seed: int = 0, geometry: KVGeometry | None = None) -> DeviceKVPool:
+    """A CPU device pool in shared memory with random finite K/V values."""
+    pool = DeviceKVPool(geometry or mimo_full(), num_pages)
+    gen = torch.Generator().manual_seed(seed)
+    for layer in range(pool.geometry.layer_num):
+        for buf in pool.layer_buffers(layer):
+            buf.copy_(torch.randn(buf.shape, generator=gen))
+    return pool
+
+
+def keys_for(n_pages: int, seed: int = 0, namespace: str = "") -> list[bytes]:
+    tokens = torch.randint(0, 150000, (n_pages * PAGE_SIZE,), generator=torch.Generator().manual_seed(seed))
+    return page_keys(tokens.numpy(), PAGE_SIZE, namespace)
+
+
+def shm_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(shm_dir(), name))
+
+
+def pages_of(pool: DeviceKVPool, pages: list[int]) -> list[torch.Tensor]:
+    return [pool.read_page(p).clone() for p in pages]

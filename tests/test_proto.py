@@ -1,0 +1,45 @@
+"""The committed hicache/rpc/ is exactly what scripts/gen_proto.py generates from proto/."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "scripts" / "gen_proto.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    sys.modules["gen_proto"] = gen
+    spec.loader.exec_module(gen)
+    written = gen.generate(tmp_path)
+    committed = ROOT / "hicache" / "rpc"
+    assert sorted(p.name for p in written) == sorted(p.name for p in committed.glob("*.py*"))
+    for path in written:
+        assert path.read_text() == (committed / path.name).read_text(), (
+            f"hicache/rpc/{path.name} is stale: run python scripts/gen_proto.py"
+        )
+
+
+def test_every_geometry_field_is_on_the_wire() -> None:
+    from hicache.geometry import KVGeometry
+    from hicache.rpc import hicache_pb2 as pb
+
+    fields = set(pb.Geometry.DESCRIPTOR.fields_by_name)
+    assert set(KVGeometry(layer_num=1, head_num=1, head_dim=8, v_head_dim=8).to_dict()) == fields
+
+
+def test_geometry_and_memory_round_trip_through_messages() -> None:
+    from hicache import wire
+    from hicache.geometry import KVGeometry
+    from hicache.memory import MemoryHandle
+
+    mla = KVGeometry(attention="mla", layer_num=3, head_num=1, kv_lora_rank=512, qk_rope_head_dim=64, dtype="fp8")
+    mha = KVGeometry(layer_num=2, head_num=4, head_dim=192, v_head_dim=128, page_size=16, layer_ids=(0, 5))
+    for g in (mla, mha):
+        assert wire.geometry_from_pb(wire.geometry_to_pb(g)) == g
+    h = MemoryHandle("cuda_ipc", 4096, ipc_handle=b"\x01" * 64, offset=512)
+    assert wire.memory_from_pb(wire.memory_to_pb(h, cuda_device=1)) == h

@@ -1,0 +1,284 @@
+"""HiCacheService without gRPC: transfers, statuses, validation, idempotency, leases."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from sidecar_util import filled_device, keys_for, make_service, mimo_full, pages_of, shm_exists
+
+from hicache.geometry import KVGeometry
+from hicache.memory import MemoryHandle, RefCountedOpens
+from hicache.service import HiCacheService
+from hicache.service_types import KeyStatus, NoSpace, PoolInfo, ServiceConfig, StateError, Tier
+
+S = KeyStatus
+
+
+def register(svc: HiCacheService, dev, rid: str = "reg-1", **kw) -> PoolInfo:
+    info = svc.register(rid, geometry=dev.geometry, device_pages=dev.num_pages, device_memory=dev.handle, **kw)
+    assert isinstance(info, PoolInfo)
+    return info
+
+
+@pytest.fixture
+def setup():
+    svc = make_service()
+    dev = filled_device(8)
+    info = register(svc, dev)
+    yield svc, dev, info
+    svc.close()
+    dev.close()
+
+
+def test_offload_dedup_reload_bit_exact(setup):
+    svc, dev, info = setup
+    keys = keys_for(4)
+    src = pages_of(dev, [0, 1, 2, 3])
+    r = svc.offload("o1", info.pool_id, keys, [0, 1, 2, 3])
+    assert r.statuses == (S.STORED,) * 4 and r.bytes_copied == 4 * dev.geometry.page_bytes
+    r = svc.offload("o2", info.pool_id, keys, [0, 1, 2, 3])
+    assert r.statuses == (S.DEDUPLICATED,) * 4 and r.bytes_copied == 0
+    untouched = pages_of(dev, [4])
+    r = svc.reload("r1", info.pool_id, keys[1:], [5, 6, 7])
+    assert r.statuses == (S.LOADED,) * 3 and r.done
+    assert all(torch.equal(a, b) for a, b in zip(src[1:], pages_of(dev, [5, 6, 7]), strict=True))
+    assert torch.equal(untouched[0], dev.read_page(4)) and torch.equal(src[0], dev.read_page(0))
+    svc.check_integrity()
+
+
+def test_reload_not_found_is_per_key_and_leaves_page_untouched(setup):
+    svc, dev, info = setup
+    keys = keys_for(3)
+    svc.offload("o", info.pool_id, [keys[0], keys[2]], [0, 2])
+    before = pages_of(dev, [6])
+    r = svc.reload("r", info.pool_id, keys, [5, 6, 7])
+    assert r.statuses == (S.LOADED, S.NOT_FOUND, S.LOADED)
+    assert torch.equal(before[0], dev.read_page(6))
+    assert torch.equal(dev.read_page(0), dev.read_page(5)) and torch.equal(dev.read_page(2), dev.read_page(7))
+
+
+def test_layerwise_reload_publishes_every_layer(setup):
+    svc, dev, info = setup
+    keys = keys_for(2)
+    svc.offload("o", info.pool_id, keys, [0, 1])
+    r = svc.reload("r", info.pool_id, keys, [4, 5], layerwise=True)
+    assert not r.done and r.op_id
+    events = list(svc.watch(info.pool_id, r.op_id))
+    layers = dev.geometry.layer_num
+    assert [e.kind for e in events] == ["layer_done"] * layers + ["done"]
+    assert [e.layer for e in events[:-1]] == list(range(layers))
+    assert torch.equal(dev.read_page(0), dev.read_page(4)) and torch.equal(dev.read_page(1), dev.read_page(5))
+    pool = svc.pool(info.pool_id)
+    assert all(pool.index.refs(k) == 0 for k in keys)  # references released
+    assert svc.evict("e", info.pool_id, keys).statuses == (S.EVICTED, S.EVICTED)
+    with pytest.raises(KeyError, match="op-nope"):
+        svc.watch(info.pool_id, "op-nope")
+    svc.check_integrity()
+
+
+def test_no_space_is_per_key_and_resident_keys_survive():
+    svc = make_service(hicache_ratio=0.5)  # 8 device pages -> 4 host pages
+    dev = filled_device(8)
+    info = register(svc, dev)
+    assert info.host_pages == 4
+    keys = keys_for(8)
+    r = svc.offload("a", info.pool_id, keys[:6], list(range(6)))
+    assert r.statuses == (S.STORED,) * 4 + (S.NO_SPACE,) * 2
+    # keys[0] is resident: the allocation for the new keys evicts others, never it
+    r = svc.offload("b", info.pool_id, [keys[0], *keys[4:8]], [0, 4, 5, 6, 7])
+    assert r.statuses == (S.DEDUPLICATED, S.STORED, S.STORED, S.STORED, S.NO_SPACE)
+    assert svc.lookup(info.pool_id, [keys[0]]).prefix_length == 1
+    assert svc.pin("p", info.pool_id, [keys[0], *keys[4:7]]) == (S.PINNED,) * 4
+    assert svc.offload("c", info.pool_id, [keys[7]], [7]).statuses == (S.NO_SPACE,)
+    svc.check_integrity()
+    svc.close()
+    dev.close()
+
+
+def test_lookup_evict_pin_prefetch(setup):
+    svc, dev, info = setup
+    keys = keys_for(5)
+    svc.offload("o", info.pool_id, keys[:3], [0, 1, 2])
+    r = svc.lookup(info.pool_id, [keys[0], keys[1], keys[3], keys[2]])
+    assert r.prefix_length == 2 and r.tiers == (Tier.HOST, Tier.HOST, Tier.NONE, Tier.HOST)
+    assert svc.prefetch("f", info.pool_id, keys[2:4]) == (S.RESIDENT, S.MISSING)
+    assert svc.pin("p", info.pool_id, [keys[0], keys[4]]) == (S.PINNED, S.NOT_FOUND)
+    assert svc.evict("e", info.pool_id, [keys[0], keys[1], keys[4]]).statuses == (S.BUSY, S.EVICTED, S.NOT_FOUND)
+    assert svc.unpin("u", info.pool_id, [keys[0], keys[0], keys[2]]) == (S.UNPINNED, S.NOT_PINNED, S.NOT_PINNED)
+    r = svc.evict("e2", info.pool_id, num_pages=5)
+    assert r.pages_freed == 2 and r.statuses == ()
+    assert svc.lookup(info.pool_id, keys).prefix_length == 0
+    stats = svc.stats(info.pool_id)[0]
+    assert stats.used_pages == 0 and stats.tiers[0].hits == 3 and stats.tiers[0].misses == 6
+    svc.check_integrity()
+
+
+def test_evict_lru_order(setup):
+    svc, dev, info = setup
+    keys = keys_for(3)
+    svc.offload("o", info.pool_id, keys, [0, 1, 2])
+    svc.lookup(info.pool_id, [keys[0]])  # keys[0] becomes most recently used
+    assert svc.evict("e", info.pool_id, num_pages=1).pages_freed == 1
+    assert svc.lookup(info.pool_id, keys).tiers == (Tier.HOST, Tier.NONE, Tier.HOST)
+
+
+def _bad_calls(keys):
+    k32 = keys[0]
+    return [
+        ("offload", (["o", keys[:2], [0, 99]],), "99"),
+        ("offload", (["o", keys[:2], [3, 3]],), "duplicate page 3"),
+        ("offload", (["o", [k32, k32], [0, 1]],), "keys[1] repeats keys[0]"),
+        ("offload", (["o", [b"short"], [0]],), "keys[0] must be a 32-byte"),
+        ("offload", (["o", keys[:2], [0]],), "2 keys but 1 device_pages"),
+        ("offload", (["o", keys[:5], [0, 1, 2, 3, 4]],), "batch of 5 keys exceeds the limit of 4"),
+        ("reload", (["r", keys[:2], [0, 8]],), "8"),
+        ("evict", (["e", [], 0],), "either keys or num_pages"),
+        ("evict", (["e", keys[:1], 3],), "either keys or num_pages"),
+        ("pin", (["p", [b"x" * 16]],), "keys[0] must be a 32-byte"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_bad_input_names_value_and_changes_nothing(case):
+    svc = make_service(max_batch=4)
+    dev = filled_device(8)
+    info = register(svc, dev)
+    keys = keys_for(6)
+    svc.offload("seed", info.pool_id, keys[2:4], [2, 3])
+    method, (args,), needle = _bad_calls(keys)[case]
+    before_dev = dev.flat.clone()
+    before = svc.stats(info.pool_id)[0]
+    resident = set(svc.pool(info.pool_id).index.keys())
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        getattr(svc, method)(args[0], info.pool_id, *args[1:])
+    svc.check_integrity()
+    after = svc.stats(info.pool_id)[0]
+    assert dataclasses.replace(after, tiers=before.tiers) == before and after.tiers == before.tiers
+    assert set(svc.pool(info.pool_id).index.keys()) == resident
+    assert torch.equal(before_dev, dev.flat)
+    svc.close()
+
+
+def test_unknown_pool_is_key_error(setup):
+    svc, _, _ = setup
+    for call in (
+        lambda: svc.offload("o", "pool-nope", [], []),
+        lambda: svc.lookup("pool-nope", []),
+        lambda: svc.unregister("u", "pool-nope"),
+        lambda: svc.stats("pool-nope"),
+    ):
+        with pytest.raises(KeyError, match="pool-nope"):
+            call()
+
+
+def test_geometry_mismatch_names_each_field():
+    svc = make_service()
+    g = mimo_full()
+    wrong = KVGeometry(**{**g.to_dict(), "v_head_dim": 192, "head_num": 8})
+    dev = filled_device(4, geometry=wrong)
+    with pytest.raises(ValueError, match="v_head_dim") as exc:
+        svc.register("r", geometry=wrong, device_pages=4, device_memory=dev.handle)
+    assert "head_num" in str(exc.value) and "192" in str(exc.value) and "128" in str(exc.value)
+    with pytest.raises(ValueError, match="'mla'"):
+        svc.register("r2", geometry=g, device_pages=4, device_memory=dev.handle, group="mla")
+    assert svc.pool_ids == []
+    svc.close()
+    dev.close()
+
+
+def test_register_validates_memory_and_hash():
+    svc = make_service()
+    dev = filled_device(4)
+    g = dev.geometry
+    with pytest.raises(ValueError, match="1474560 bytes but 8 pages"):
+        svc.register("a", geometry=g, device_pages=8, device_memory=dev.handle)
+    ghost = MemoryHandle("shm", dev.nbytes, name="hicache-doesnotexist")
+    with pytest.raises(ValueError, match="hicache-doesnotexist"):
+        svc.register("b", geometry=g, device_pages=4, device_memory=ghost)
+    with pytest.raises(ValueError, match="'md5'"):
+        svc.register("c", geometry=g, device_pages=4, device_memory=dev.handle, key_hash="md5")
+    with pytest.raises(ValueError, match="'local'"):
+        svc.register("d", geometry=g, device_pages=4, device_memory=MemoryHandle("local", dev.nbytes))
+    assert svc.pool_ids == []
+    svc.close()
+    dev.close()
+
+
+def test_no_space_for_another_pool_and_host_size_from_gb():
+    dev = filled_device(4)
+    g = dev.geometry
+    svc = make_service(max_pools=1, hicache_size_gb=g.page_bytes * 3 / 1e9)
+    info = register(svc, dev)
+    assert info.host_pages == 3
+    out = svc.register("again", geometry=g, device_pages=4, device_memory=dev.handle)
+    assert isinstance(out, NoSpace) and "limit is 1" in out.reason
+    svc.close()
+    with pytest.raises(StateError):
+        svc.register("late", geometry=g, device_pages=4, device_memory=dev.handle)
+    dev.close()
+
+
+def test_idempotent_retry(setup):
+    svc, dev, info = setup
+    keys = keys_for(2)
+    first = svc.offload("same", info.pool_id, keys, [0, 1])
+    again = svc.offload("same", info.pool_id, keys, [0, 1])
+    assert again == first and again.statuses == (S.STORED, S.STORED)
+    assert svc.stats(info.pool_id)[0].offload_bytes == first.bytes_copied
+    with pytest.raises(ValueError, match="'same' was already used"):
+        svc.offload("same", info.pool_id, keys, [2, 3])
+    assert svc.pin("p", info.pool_id, keys[:1]) == svc.pin("p", info.pool_id, keys[:1])
+    assert svc.pool(info.pool_id).index.pins(keys[0]) == 1
+    assert register(svc, dev, rid="reg-1").pool_id == info.pool_id  # the fixture's registration
+    assert len(svc.pool_ids) == 1
+    svc.unregister("u", info.pool_id)
+    svc.unregister("u", info.pool_id)  # a retried unregister succeeds too
+
+
+def test_request_id_must_be_given(setup):
+    svc, _, info = setup
+    with pytest.raises(ValueError, match="request_id"):
+        svc.offload("", info.pool_id, [], [])
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lease_expiry_reclaims_pool_and_unlinks_shm():
+    clock = FakeClock()
+    svc = HiCacheService(ServiceConfig(lease_timeout_s=10), clock=clock)
+    dev, dev2 = filled_device(4), filled_device(4, seed=1)
+    quiet, busy = register(svc, dev, "a"), register(svc, dev2, "b")
+    assert shm_exists(quiet.host_shm_name)
+    clock.now = 8
+    svc.keep_alive(busy.pool_id)
+    clock.now = 12
+    assert svc.reap_expired() == [quiet.pool_id]
+    assert not shm_exists(quiet.host_shm_name) and shm_exists(busy.host_shm_name)
+    assert shm_exists(dev.handle.name)  # the engine's memory is the engine's
+    with pytest.raises(KeyError):
+        svc.lookup(quiet.pool_id, [])
+    svc.check_integrity()
+    svc.close()
+    assert not shm_exists(busy.host_shm_name)
+    dev.close()
+    dev2.close()
+
+
+def test_refcounted_opens_share_and_close_once():
+    opened, closed = [], []
+    table: RefCountedOpens[str, int] = RefCountedOpens(lambda k: opened.append(k) or len(opened), closed.append)
+    assert table.acquire("h") == 1 and table.acquire("h") == 1 and table.users("h") == 2
+    table.release("h")
+    assert closed == []
+    table.release("h")
+    assert opened == ["h"] and closed == [1] and len(table) == 0
+    with pytest.raises(KeyError, match="'h'"):
+        table.release("h")
