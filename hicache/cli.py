@@ -1,37 +1,69 @@
-"""The `hicache` command line."""
+"""The `hicache` command line: demo, geometry, health and stats."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from hicache.paths import default_socket_path
 
-def main(argv: list[str] | None = None) -> int:
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--target",
+        "--socket",
+        dest="target",
+        default=os.environ.get("HICACHE_SOCKET") or default_socket_path(),
+        help="sidecar socket path or gRPC target (default $HICACHE_SOCKET, else the server's default socket)",
+    )
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description="Hierarchical KV-cache offloading for LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="offload and reload KV pages and verify them bit for bit")
-    demo.add_argument("--config", help="HF config.json (default: the bundled MiMo-V2-Flash config)")
-    demo.add_argument("--tp-size", type=int, default=1)
-    demo.add_argument("--page-size", type=int, default=64)
-    demo.add_argument("--dtype", default="bfloat16")
-    demo.add_argument("--layout", default="layer_first")
-    demo.add_argument("--device-pages", type=int, default=64)
-    demo.add_argument("--host-pages", type=int, default=128)
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser(
+        "demo", help="run a sidecar and an example engine over a multi-turn chat, verifying every page"
+    )
+    from hicache.demo.run import add_arguments
+
+    add_arguments(demo)
     geometry = sub.add_parser("geometry", help="print the KV geometry of an HF config.json")
     geometry.add_argument("config")
     geometry.add_argument("--tp-size", type=int, default=1)
     geometry.add_argument("--page-size", type=int, default=64)
     geometry.add_argument("--dtype", default="bfloat16")
-    args = parser.parse_args(argv)
+    health = sub.add_parser("health", help="exit 0 only if the sidecar's health service says SERVING")
+    _add_target(health)
+    health.add_argument("--service", default="", help="service name to ask about ('' is the whole server)")
+    stats = sub.add_parser("stats", help="print the stats of every pool on a running sidecar")
+    _add_target(stats)
+    stats.add_argument("--token", default=os.environ.get("HICACHE_TOKEN"), help="shared token (default $HICACHE_TOKEN)")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "demo":
-            from hicache.demo import run_demo
+            from hicache.demo.run import run_demo
 
             return run_demo(args)
-        from hicache.demo import print_geometry
+        if args.command == "geometry":
+            from hicache.demo import print_geometry
 
-        return print_geometry(args)
+            return print_geometry(args)
+        if args.command == "health":
+            from hicache.health import SERVING, check_health
+
+            status = check_health(args.target, service=args.service, timeout=args.timeout)
+            print(status)
+            return 0 if status == SERVING else 1
+        from hicache.stats_cli import print_stats
+
+        return print_stats(args.target, token=args.token, as_json=args.json, timeout=args.timeout)
     except (ValueError, OSError) as exc:
         print(f"hicache: error: {exc}", file=sys.stderr)
         return 2

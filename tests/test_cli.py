@@ -1,0 +1,44 @@
+"""`hicache health` and `hicache stats` against an in-process sidecar."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from sidecar_util import filled_device, mimo_geometries
+
+from hicache.cli import main
+from hicache.client import HiCacheClient
+from hicache.service_types import ServiceConfig
+from server import ServerConfig, create_server
+
+
+def test_health_and_stats_commands(capsys):
+    d = tempfile.mkdtemp(prefix="hc")
+    sock = os.path.join(d, "hc.sock")
+    srv, address = create_server(ServerConfig(socket=sock, service=ServiceConfig(expected=mimo_geometries())))
+    try:
+        assert main(["health", "--socket", sock]) == 0
+        assert capsys.readouterr().out.strip() == "SERVING"
+        assert main(["stats", "--socket", sock]) == 0
+        assert capsys.readouterr().out.strip() == "no pools registered"
+        dev = filled_device(4)
+        with HiCacheClient(address) as client:
+            info = client.register(dev, namespace="tenant-a")
+            client.offload(client.page_keys(list(range(32))), [0, 1])
+            assert main(["stats", "--target", address, "--json"]) == 0
+            report = json.loads(capsys.readouterr().out)
+            (pool,) = report["pools"]
+            assert pool["pool_id"] == info.pool_id and pool["used_pages"] == 2 and pool["namespace"] == "tenant-a"
+            assert pool["tiers"]["host"]["pages"] == 2
+            assert main(["stats", "--target", address]) == 0
+            table = capsys.readouterr().out
+            assert info.pool_id in table and "2/8" in table
+        dev.close()
+    finally:
+        srv.stop(0)
+        shutil.rmtree(d, ignore_errors=True)
+    assert main(["health", "--socket", sock, "--timeout", "0.5"]) == 1
+    assert capsys.readouterr().out.strip() in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
