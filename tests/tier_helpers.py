@@ -7,14 +7,16 @@ import random
 import shutil
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from conftest import load_config
 
 from hicache.geometry import KVGeometry
-from hicache.storage import TierIdentity
+from hicache.storage import Buffer, StorageTier, TierHealth, TierIdentity
 
 
 def small_geometries() -> dict[str, KVGeometry]:
@@ -108,3 +110,49 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class MemoryTier(StorageTier):
+    """An in-memory tier for hierarchy tests. batch_get waits for `read_gate` and batch_set
+    for `write_gate` (both open by default): a stub that only delays."""
+
+    backend = "memory"
+
+    def __init__(self, ident: TierIdentity):
+        super().__init__(ident)
+        self.pages: dict[bytes, bytes] = {}
+        self.read_gate = threading.Event()
+        self.write_gate = threading.Event()
+        self.read_gate.set()
+        self.write_gate.set()
+        self.reads_started = threading.Semaphore(0)  # released once per batch_get call
+        self.permits: threading.Semaphore | None = None  # if set, each batch_get takes one
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.pages
+
+    def get(self, key: bytes) -> memoryview | None:
+        data = self.pages.get(key)
+        return None if data is None else memoryview(data)
+
+    def batch_get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        self.reads_started.release()
+        assert self.read_gate.wait(60), "test forgot to open the read gate"
+        if self.permits is not None:
+            assert self.permits.acquire(timeout=60), "test forgot to release a permit"
+        return [self.get(k) for k in keys]
+
+    def set(self, key: bytes, data: Buffer) -> bool:
+        assert memoryview(data).nbytes == self.identity.page_bytes
+        self.pages[key] = bytes(data)
+        return True
+
+    def batch_set(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        assert self.write_gate.wait(60), "test forgot to open the write gate"
+        return [self.set(k, d) for k, d in items]
+
+    def delete(self, key: bytes) -> bool:
+        return self.pages.pop(key, None) is not None
+
+    def health(self) -> TierHealth:
+        return TierHealth(True)
