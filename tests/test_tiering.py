@@ -188,3 +188,45 @@ def test_real_backends_survive_a_host_restart(build, tmp_path, backend, name):
     finally:
         if server is not None:
             server.stop()
+
+
+def test_concurrent_offload_load_prefetch_evict_keep_integrity(build):
+    import random
+    import threading
+
+    g = GEOMETRIES["mimo_fp4"]
+    tier = MemoryTier(identity(g))
+    cache = build("mimo_fp4", 12, tier, write_policy="write_back", write_batch_pages=3)
+    data = {i: payload(g, i) for i in range(40)}
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                ks = rng.sample(range(40), rng.randint(1, 4))
+                op = rng.random()
+                if op < 0.4:
+                    cache.put([key(i) for i in ks], [data[i] for i in ks])
+                elif op < 0.7:
+                    got = cache.load([key(i) for i in ks])
+                    for k, page in zip(got.keys, got.pages, strict=True):
+                        assert cache.pool.read_page(page).numpy().tobytes() == data[int.from_bytes(k[:4], "little")]
+                    cache.release(got.keys)
+                elif op < 0.9:
+                    cache.prefetch([key(i) for i in ks]).result()
+                else:
+                    cache.evict(2)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert cache.flush(60)
+    cache.check_integrity()
+    for k, v in tier.pages.items():  # everything written back is exact
+        assert v == data[int.from_bytes(k[:4], "little")]

@@ -300,6 +300,7 @@ class HierarchicalCache(FetchMixin):
                 "write_policy": self.write_policy,
                 "prefetch_policy": self.prefetch_policy,
                 "write_queue_depth": self._writer.depth,
+                "writer_errors": self._writer.errors,
                 "prefetches_active": len(self._active),
                 **self._n,
             }

@@ -52,6 +52,8 @@ class StorageWriter:
         self._queue: deque[WriteJob] = deque()
         self._busy = 0  # jobs taken off the queue and not yet reported
         self._closed = False
+        self.errors = 0  # exceptions from `read` or the tier, turned into failed jobs
+        self.last_error = ""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -118,7 +120,8 @@ class StorageWriter:
         for i, job in enumerate(batch):
             try:
                 data = job.data if job.data is not None else self._read(job)
-            except Exception:  # a read must not kill the thread; the job just fails
+            except Exception as e:  # a read must not kill the thread; the job just fails
+                self._note(e)
                 data = None
             if data is not None:
                 items.append((job.key, data))
@@ -126,8 +129,14 @@ class StorageWriter:
         if items:
             try:
                 results = self.tier.batch_set(items)
-            except Exception:  # tiers count their own failures; never let one stop writing
+            except Exception as e:  # tiers count their own failures; never let one stop writing
+                self._note(e)
                 results = [False] * len(items)
             for i, r in zip(where, results, strict=True):
                 ok[i] = r
         return ok
+
+    def _note(self, e: Exception) -> None:
+        with self._cond:
+            self.errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"
