@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from hicache.geometry import KVGeometry
-from hicache.hf_config import GROUPS
+from hicache.hf_config import model_geometries
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.transfer import TransferEngine
 
@@ -24,20 +24,6 @@ def load_config(path: str | None) -> dict[str, Any]:
         return json.loads(resources.files("hicache.data").joinpath("mimo_v2_flash.json").read_text())
     with open(path) as f:
         return json.load(f)
-
-
-def model_geometries(config: dict[str, Any], *, tp_size: int, page_size: int, dtype: str) -> dict[str, KVGeometry]:
-    """Every KV group the model has, by name."""
-    out = {}
-    for group in GROUPS:
-        try:
-            out[group] = KVGeometry.from_hf_config(
-                config, tp_size=tp_size, page_size=page_size, dtype=dtype, group=group
-            )
-        except ValueError as exc:
-            if group == "full" or "has no layers" not in str(exc) and "does not exist" not in str(exc):
-                raise
-    return out
 
 
 def print_geometry(args: argparse.Namespace) -> int:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from hicache.cache.fetch import FetchMixin, check_keys
 from hicache.cache.index import HostIndex
+from hicache.cache.key_ops import KeyOpsMixin
 from hicache.cache.policies import (
     PrefetchPolicy,
     PrefetchTimeout,
@@ -55,6 +56,7 @@ class Reservation:
     new: list[tuple[bytes, int]]
     existing: list[tuple[bytes, int]]  # already on host: nothing to copy
     pending: list[bytes]  # being filled by another offload or a prefetch: nothing to copy
+    refused: list[bytes] = field(default_factory=list)  # reserve(partial=True): no room left
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class LoadResult:
     sources: list[Tier]  # "host", or "storage" for a key fetched from storage first
 
 
-class HierarchicalCache(FetchMixin):
+class HierarchicalCache(KeyOpsMixin, FetchMixin):
     """Host pages addressed by key, over a storage tier. Thread-safe.
 
     write_policy: "write_through" (every offloaded page is also stored), "write_through_
@@ -128,18 +130,23 @@ class HierarchicalCache(FetchMixin):
         return self.pool.geometry
 
     # ---- offload: engine -> host ------------------------------------------------------------
-    def reserve(self, keys: Sequence[bytes]) -> Reservation | None:
+    def reserve(self, keys: Sequence[bytes], *, partial: bool = False) -> Reservation | None:
         """Host pages for the keys not yet on host, evicting LRU pages (never these keys) if
         needed; keys already on host become most recently used. None, with no page taken,
-        when there is no room (pinned/referenced pages fill the pool)."""
+        when there is no room (pinned/referenced pages fill the pool); with partial=True,
+        the earliest new keys that fit are reserved and the rest listed as refused."""
         keys = check_keys(keys)
         with self._lock:
             existing = [(k, p) for k in keys if (p := self.index.page_of(k)) is not None]
             pending = [k for k in keys if k in self._pending]
             new = [k for k in keys if k not in self.index and k not in self._pending]
+            refused: list[bytes] = []
             for k, _ in existing:  # held so that the allocation cannot evict them
                 self.index.ref(k)
             try:
+                if partial:
+                    room = self.index.free_pages + self.index.evictable_pages
+                    new, refused = new[:room], new[room:]
                 got = self.index.allocate(len(new))
             finally:
                 for k, _ in existing:  # back in the LRU order as most recently used
@@ -152,7 +159,7 @@ class HierarchicalCache(FetchMixin):
             writes = self._note_use([k for k, _ in existing])
             backups = self._evicted_locked(evicted)
         self._submit(writes + self._read_evicted(backups))
-        return Reservation(list(zip(new, pages, strict=True)), existing, pending)
+        return Reservation(list(zip(new, pages, strict=True)), existing, pending, refused)
 
     def commit(self, reservation: Reservation) -> None:
         """The data of reservation.new is in its pages: make the keys resident and apply the
