@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean setup
+.PHONY: demo test lint bench bench-tiers clean setup
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -28,6 +28,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/transfer.py
+
+# file tier vs plain sequential I/O; redis tier vs a raw pipeline (starts its own redis-server)
+bench-tiers: $(STAMP)
+	$(PY) benchmarks/tiers.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,7 +33,15 @@ from hicache.keys import HashName, page_keys
 from hicache.pools import DeviceKVPool
 from hicache.rpc import hicache_pb2 as pb
 from hicache.rpc import hicache_pb2_grpc as pb_grpc
-from hicache.service_types import EvictResult, KeyStatus, LookupResult, PoolStats, TransferResult
+from hicache.service_types import (
+    EvictResult,
+    KeyStatus,
+    LookupResult,
+    OpEvent,
+    PoolStats,
+    PrefetchOutcome,
+    TransferResult,
+)
 
 __all__ = ["HiCacheClient", "HiCacheRpcError", "RegisteredPool", "ReloadHandle", "page_keys"]
 T = TypeVar("T")
@@ -213,9 +221,21 @@ class HiCacheClient:
 
         return ReloadHandle(result, info.layer_num, None if r.done else watch)
 
-    def prefetch(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
-        req = pb.PrefetchRequest(request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys))
-        return wire.statuses_from_pb(self._call(self._stub.Prefetch, req).statuses)
+    def prefetch(self, keys: Sequence[bytes], *, policy: str = "", pool: str | None = None) -> PrefetchOutcome:
+        """Bring keys from the storage tier into host memory: each key is RESIDENT, FETCHING
+        (best_effort: still going; watch(op_id) streams progress), FETCHED or MISSING.
+        policy: best_effort | wait_complete | timeout; "" uses the sidecar's default."""
+        req = pb.PrefetchRequest(
+            request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), policy=policy
+        )
+        r = self._call(self._stub.Prefetch, req)
+        return PrefetchOutcome(wire.statuses_from_pb(r.statuses), r.op_id, r.done, r.timed_out)
+
+    def watch(self, op_id: str, *, pool: str | None = None) -> Iterator[OpEvent]:
+        """The progress events of an operation (a layer-wise reload or a prefetch) until it ends."""
+        req = pb.WatchRequest(pool_id=self._pool(pool).pool_id, op_id=op_id)
+        for msg in self._stub.Watch(req, timeout=self.timeout, metadata=self._metadata):
+            yield wire.event_from_pb(msg)
 
     def evict(self, keys: Sequence[bytes] = (), num_pages: int = 0, *, pool: str | None = None) -> EvictResult:
         """Drop `keys`, or free num_pages host pages, least recently used first."""

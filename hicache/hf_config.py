@@ -17,7 +17,10 @@ Rules:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache.geometry import KVGeometry
 
 GROUPS = ("full", "swa")
 _FULL_TYPES = ("full_attention", "attention", "global_attention")
@@ -139,3 +142,20 @@ def _req_int(cfg: dict[str, Any], key: str) -> int:
     if value is None:
         raise ValueError(f"config is missing {key}")
     return value
+
+
+def model_geometries(config: dict[str, Any], *, tp_size: int, page_size: int, dtype: str) -> dict[str, KVGeometry]:
+    """The geometry of every KV group the model has: "full", and "swa" for hybrid models.
+    Raises ValueError as KVGeometry.from_hf_config does."""
+    from hicache.geometry import KVGeometry
+
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict, got {type(config).__name__}")
+    cfg = config.get("text_config") or config
+    groups = ["full"]
+    if cfg.get("kv_lora_rank") is None:
+        full, swa = _split_layers(cfg, _req_int(cfg, "num_hidden_layers"))
+        groups = [name for name, ids in (("full", full), ("swa", swa)) if ids] or ["full"]
+    return {
+        g: KVGeometry.from_hf_config(config, tp_size=tp_size, page_size=page_size, dtype=dtype, group=g) for g in groups
+    }

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from hicache.cache.prefetch import PrefetchHandle
 from hicache.geometry import KVGeometry
 from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, MemoryHandle, shm_dir
@@ -32,6 +33,7 @@ from hicache.service_types import (
     OpEvent,
     PoolInfo,
     PoolStats,
+    PrefetchOutcome,
     ServiceConfig,
     StateError,
     TransferResult,
@@ -103,6 +105,11 @@ class HiCacheService:
         for name, value in (("namespace", namespace), ("model_id", model_id)):
             if not isinstance(value, str):
                 raise ValueError(f"{name} must be a str, got {type(value).__name__}")
+        if not model_id and self.config.hierarchy.storage_backend != "none":
+            raise ValueError(
+                "model_id must name the model and its revision when a storage tier is configured "
+                f"(backend {self.config.hierarchy.storage_backend!r}), got ''"
+            )
         need = geometry.pool_bytes(device_pages)
         if memory.nbytes != need:
             raise ValueError(
@@ -121,6 +128,11 @@ class HiCacheService:
         device = map_device(geometry, device_pages, memory, cuda_device, self._ipc)
         try:
             host = HostKVPool(geometry, host_pages, self.config.host_layout)
+            try:
+                tier = self.config.hierarchy.make_tier(geometry, model_id or "unnamed", namespace)
+            except BaseException:
+                host.close()
+                raise
         except BaseException:
             device.close()
             raise
@@ -130,7 +142,7 @@ class HiCacheService:
         pool = RegisteredPool(
             identity,
             device,
-            host,
+            self.config.hierarchy.build(host, tier),
             max_batch=self.config.max_batch,
             finished_ops_kept=self.config.finished_ops_kept,
         )
@@ -158,12 +170,16 @@ class HiCacheService:
         return self._requests.run(("unregister", pool_id), request_id, "", lambda: self._release(pool_id))
 
     def _release(self, pool_id: str) -> bool:
+        # The pool stays listed until it is closed, so that a caller who sees it gone also
+        # sees its memory released; meanwhile its calls get StateError (closing).
         with self._lock:
-            pool = self._pools.pop(pool_id, None)
+            pool = self._pools.get(pool_id)
             self._leases.pop(pool_id, None)
         if pool is None:
             raise KeyError(f"unknown pool id {pool_id!r}")
         pool.close()
+        with self._lock:
+            self._pools.pop(pool_id, None)
         return True
 
     # ---- leases -------------------------------------------------------------------------------
@@ -173,7 +189,8 @@ class HiCacheService:
             pool = self._pools.get(pool_id)
             if pool is None:
                 raise KeyError(f"unknown pool id {pool_id!r}")
-            self._leases[pool_id] = self._clock() + self.config.lease_timeout_s
+            if pool_id in self._leases:  # not while it is being released
+                self._leases[pool_id] = self._clock() + self.config.lease_timeout_s
             return pool
 
     def keep_alive(self, pool_id: str) -> float:
@@ -218,10 +235,17 @@ class HiCacheService:
             ("reload", pool_id), request_id, args, lambda: pool.reload(keys, device_pages, layerwise=layerwise)
         )
 
-    def prefetch(self, request_id: str, pool_id: str, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
+    def prefetch(
+        self, request_id: str, pool_id: str, keys: Sequence[bytes], policy: str | None = None
+    ) -> PrefetchOutcome:
+        """Storage -> host for `keys` (see RegisteredPool.prefetch); policy None or "" is the
+        sidecar's --hicache-storage-prefetch-policy."""
         pool = self.pool(pool_id)
         return self._requests.run(
-            ("prefetch", pool_id), request_id, fingerprint(list(keys)), lambda: pool.prefetch(keys)
+            ("prefetch", pool_id),
+            request_id,
+            fingerprint(list(keys), policy),
+            lambda: pool.prefetch(keys, policy or None),
         )
 
     def evict(self, request_id: str, pool_id: str, keys: Sequence[bytes] = (), num_pages: int = 0) -> EvictResult:
@@ -248,7 +272,7 @@ class HiCacheService:
             pools = list(self._pools.values())
         return [p.stats() for p in pools]
 
-    def operation(self, pool_id: str, op_id: str) -> Operation:
+    def operation(self, pool_id: str, op_id: str) -> Operation | PrefetchHandle:
         """Raises KeyError for an unknown pool or operation id."""
         return self.pool(pool_id).operation(op_id)
 
@@ -258,6 +282,8 @@ class HiCacheService:
         """Every event of the operation from its start, blocking for new ones, until it
         finishes or cancelled() is true. Raises KeyError for an unknown id."""
         op = self.operation(pool_id, op_id)
+        if isinstance(op, PrefetchHandle):
+            return _prefetch_events(op, cancelled, poll_s)
 
         def events() -> Iterator[OpEvent]:
             seen = 0
@@ -293,3 +319,24 @@ class HiCacheService:
             assert set(self._pools) == set(self._leases)
         for pool in pools:
             pool.check_integrity()
+
+
+def _prefetch_events(handle: PrefetchHandle, cancelled: Callable[[], bool], poll_s: float) -> Iterator[OpEvent]:
+    """A prefetch's progress: a "progress" event (pages done of total) per change, then
+    "done", or "failed" naming the pages not fetched."""
+    seen = None
+    while not cancelled():
+        status = handle.wait_for_update(seen, poll_s)
+        if status == seen:
+            continue
+        seen = status
+        if not status.finished:
+            yield OpEvent("progress", 0, status.done, status.total)
+            continue
+        if status.failed:
+            yield OpEvent(
+                "failed", 0, status.done, status.total, f"{status.failed} of {status.total} pages not fetched"
+            )
+        else:
+            yield OpEvent("done", 0, status.done, status.total)
+        return

@@ -10,8 +10,9 @@ Error policy (the servicer maps these to gRPC status codes, nothing else does):
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry
 from hicache.pools.layouts import LAYOUTS
 
@@ -35,6 +36,9 @@ class KeyStatus(enum.Enum):
     PINNED = "pinned"
     UNPINNED = "unpinned"
     NOT_PINNED = "not_pinned"
+    LOADED_FROM_STORAGE = "loaded_from_storage"  # reload: fetched from storage first
+    FETCHING = "fetching"  # prefetch: being fetched from storage
+    FETCHED = "fetched"  # prefetch: fetched from storage into host memory
 
 
 class Tier(enum.Enum):
@@ -56,13 +60,13 @@ class ServiceConfig:
 
     expected: the geometry per group ("full", "swa") the sidecar accepts, derived from the
     model config; None accepts any valid geometry. Host pool pages per registered pool:
-    hicache_size_gb * 1e9 // page_bytes when hicache_size_gb > 0, else
-    hicache_ratio * device pages (SGLang's --hicache-size / --hicache-ratio).
+    see HiCacheConfig.host_pages (SGLang's --hicache-size / --hicache-ratio). `hierarchy`
+    also names the storage tier and the write and prefetch policies; the default here is
+    host memory only (backend "none"), the server's default is the file tier.
     """
 
     expected: dict[str, KVGeometry] | None = None
-    hicache_size_gb: float = 0.0
-    hicache_ratio: float = 2.0
+    hierarchy: HiCacheConfig = field(default_factory=lambda: HiCacheConfig(storage_backend="none"))
     host_layout: str = "layer_first"
     lease_timeout_s: float = 30.0
     max_batch: int = 65536
@@ -71,10 +75,6 @@ class ServiceConfig:
     finished_ops_kept: int = 256
 
     def __post_init__(self) -> None:
-        if self.hicache_size_gb < 0:
-            raise ValueError(f"hicache_size_gb must be >= 0, got {self.hicache_size_gb}")
-        if self.hicache_size_gb == 0 and self.hicache_ratio <= 0:
-            raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
         if self.host_layout not in LAYOUTS:
             raise ValueError(f"unknown host layout {self.host_layout!r}; expected one of {list(LAYOUTS)}")
         if self.lease_timeout_s <= 0:
@@ -85,9 +85,7 @@ class ServiceConfig:
 
     def host_pages_for(self, geometry: KVGeometry, device_pages: int) -> int:
         """Host pool pages for a pool of device_pages pages of `geometry` (at least 1)."""
-        if self.hicache_size_gb > 0:
-            return max(1, int(self.hicache_size_gb * 1e9) // geometry.page_bytes)
-        return max(1, int(self.hicache_ratio * device_pages))
+        return self.hierarchy.host_pages(geometry, device_pages)
 
 
 @dataclass(frozen=True)
@@ -153,13 +151,26 @@ class PoolStats:
     reload_bytes: int
     reload_gbps: float
     ops_in_flight: int
+    storage_backend: str = "none"
+    storage_healthy: bool = True
+    storage_write_queue: int = 0
+
+
+@dataclass(frozen=True)
+class PrefetchOutcome:
+    """Prefetch answer: per-key statuses, the op id to Watch, and how the wait ended."""
+
+    statuses: tuple[KeyStatus, ...]
+    op_id: str = ""
+    done: bool = True
+    timed_out: bool = False
 
 
 @dataclass(frozen=True)
 class OpEvent:
     """One progress event of an asynchronous operation."""
 
-    kind: str  # "layer_done", "done" or "failed"
+    kind: str  # "layer_done", "progress" (prefetch pages), "done" or "failed"
     layer: int = 0  # pool-local layer index, for "layer_done"
     layers_done: int = 0
     layer_num: int = 0

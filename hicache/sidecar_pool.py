@@ -4,15 +4,17 @@ the host index and the transfers between them. Validates everything before chang
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hicache.batch_checks import check_keys, check_pages
 from hicache.cache.index import HostIndex
+from hicache.cache.prefetch import PrefetchHandle
+from hicache.cache.tiering import HierarchicalCache
 from hicache.operations import Operation, OperationTable
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.service_types import (
@@ -21,6 +23,7 @@ from hicache.service_types import (
     KeyStatus,
     LookupResult,
     PoolStats,
+    PrefetchOutcome,
     StateError,
     Tier,
     TierStats,
@@ -40,34 +43,42 @@ class PoolIdentity:
 
 
 class RegisteredPool:
-    """Thread-safe: one lock guards the index, counters and operations. Offloads and
-    all-layer reloads copy under the lock; layer-wise reloads copy in a worker thread,
-    holding references on the host pages they read so that nothing evicts them.
+    """Thread-safe. The HierarchicalCache guards the host index and the storage tier; this
+    object's lock guards only counters, operations and the closed flag, so copies run
+    without it: an offload fills host pages reserved for it alone, and a reload reads host
+    pages it holds references on, so nothing can evict or overwrite them meanwhile.
     """
 
     def __init__(
         self,
         identity: PoolIdentity,
         device: DeviceKVPool,
-        host: HostKVPool,
+        cache: HierarchicalCache,
         *,
         max_batch: int,
         finished_ops_kept: int,
         clock: Callable[[], float] = time.monotonic,
     ):
+        assert isinstance(cache.pool, HostKVPool)
         self.identity = identity
         self.device = device
-        self.host = host
-        self.engine = TransferEngine(device, host)
+        self.cache = cache
+        self.host: HostKVPool = cache.pool
+        self.engine = TransferEngine(device, self.host)
         self.geometry = device.geometry
-        self.index = HostIndex(host.num_pages)
         self.max_batch = max_batch
         self.counters = Counters()
         self.lock = threading.Lock()
         self.closed = False
         self._ops = OperationTable(finished_ops_kept)
+        self._prefetches: OrderedDict[str, PrefetchHandle] = OrderedDict()
+        self._finished_kept = finished_ops_kept
         self._workers: list[threading.Thread] = []
         self._clock = clock
+
+    @property
+    def index(self) -> HostIndex:
+        return self.cache.index
 
     # ---- validation (no state changes) --------------------------------------------------
     def _open(self) -> None:
@@ -82,46 +93,41 @@ class RegisteredPool:
 
     # ---- transfers ------------------------------------------------------------------------
     def offload(self, keys: Sequence[bytes], device_pages: Sequence[int]) -> TransferResult:
-        """Copy device_pages[i] to host under keys[i]. A resident key is DEDUPLICATED; keys
-        past the free + evictable host pages are NO_SPACE (the earliest keys get stored)."""
+        """Copy device_pages[i] to host under keys[i]. A key already on host (or being filled)
+        is DEDUPLICATED; keys past the free + evictable host pages are NO_SPACE (the earliest
+        keys get stored). The write policy then decides what goes to storage."""
         ks = self.check_keys(keys, unique=True)
         pages = self.check_pages(device_pages, len(ks))
         with self.lock:
             self._open()
-            statuses: list[KeyStatus] = [KeyStatus.DEDUPLICATED] * len(ks)
-            resident = [k for k in ks if k in self.index]
-            for key in resident:  # hold them so that this allocation cannot evict them
-                self.index.touch(key)
-                self.index.ref(key)
-            new = [i for i, k in enumerate(ks) if k not in self.index]
-            fits = min(len(new), self.index.free_pages + self.index.evictable_pages)
-            got = self.index.allocate(fits)
-            for key in resident:
-                self.index.unref(key)
-            assert got is not None
-            host_pages, _evicted = got
-            stored, refused = new[:fits], new[fits:]
-            t0 = time.perf_counter()
-            try:
-                nbytes = self.engine.offload([pages[i] for i in stored], host_pages)
-            except BaseException:
-                self.index.release(host_pages)
-                raise
-            for i, hp in zip(stored, host_pages, strict=True):
-                self.index.bind(ks[i], hp)
-                statuses[i] = KeyStatus.STORED
-            for i in refused:
-                statuses[i] = KeyStatus.NO_SPACE
+        where = dict(zip(ks, pages, strict=True))
+        res = self.cache.reserve(ks, partial=True)
+        assert res is not None
+        t0 = time.perf_counter()
+        try:
+            nbytes = self.engine.offload([where[k] for k, _ in res.new], [p for _, p in res.new])
+        except BaseException:
+            self.cache.abort(res)
+            raise
+        self.cache.commit(res)
+        seconds = time.perf_counter() - t0
+        status = {k: KeyStatus.STORED for k, _ in res.new}
+        status.update({k: KeyStatus.NO_SPACE for k in res.refused})
+        statuses = tuple(status.get(k, KeyStatus.DEDUPLICATED) for k in ks)
+        with self.lock:
             c = self.counters
             c.offload_bytes += nbytes
-            c.offload_s += time.perf_counter() - t0 if stored else 0.0
-            c.stored += len(stored)
-            c.deduplicated += len(resident)
-            c.no_space += len(refused)
-            return TransferResult(tuple(statuses), nbytes)
+            c.offload_s += seconds if res.new else 0.0
+            c.stored += len(res.new)
+            c.deduplicated += len(res.existing) + len(res.pending)
+            c.no_space += len(res.refused)
+        return TransferResult(statuses, nbytes)
 
     def reload(self, keys: Sequence[bytes], device_pages: Sequence[int], *, layerwise: bool) -> TransferResult:
-        """Copy the host page of keys[i] into device_pages[i]; absent keys are NOT_FOUND.
+        """Copy the longest loadable prefix of `keys` into device_pages: keys on host are
+        LOADED, keys only in storage are fetched into host first (LOADED_FROM_STORAGE), and
+        every key from the first one in no tier on is NOT_FOUND (with chained keys a page
+        after a gap is of no use).
 
         Not layer-wise: copies before returning (done=True). Layer-wise: returns at once
         with an op id; a worker copies one layer at a time and publishes each to Watch.
@@ -132,71 +138,98 @@ class RegisteredPool:
             self._open()
             op = Operation("op-" + secrets.token_hex(8), self.geometry.layer_num)
             self._ops.add(op)
-            found = [i for i, k in enumerate(ks) if k in self.index]
-            statuses = tuple(KeyStatus.LOADED if k in self.index else KeyStatus.NOT_FOUND for k in ks)
-            host_pages = [self.index.ref(ks[i]) for i in found]
-            dev_pages = [pages[i] for i in found]
-            nbytes = len(found) * self.geometry.page_bytes
-            if not layerwise:
-                try:
-                    self._copy_layers(op, host_pages, dev_pages, per_layer=False)
-                finally:
-                    self._unref(ks, found)
-                return TransferResult(statuses, nbytes, op.op_id, True)
-            worker = threading.Thread(
-                target=self._reload_worker, args=(op, ks, found, host_pages, dev_pages), daemon=True
-            )
+        loaded = self.cache.load(ks)
+        n = len(loaded.keys)
+        statuses = tuple(
+            [KeyStatus.LOADED if src == "host" else KeyStatus.LOADED_FROM_STORAGE for src in loaded.sources]
+            + [KeyStatus.NOT_FOUND] * (len(ks) - n)
+        )
+        args = (op, loaded.keys, loaded.pages, pages[:n])
+        nbytes = n * self.geometry.page_bytes
+        if not layerwise:
+            try:
+                self._copy_layers(*args, per_layer=False)
+            except BaseException:
+                self.cache.release(loaded.keys)
+                raise
+            self.cache.release(loaded.keys)
+            return TransferResult(statuses, nbytes, op.op_id, True)
+        worker = threading.Thread(target=self._reload_worker, args=args, daemon=True)
+        with self.lock:
             self._workers = [w for w in self._workers if w.is_alive()] + [worker]
-            worker.start()
-            return TransferResult(statuses, nbytes, op.op_id, False)
+        worker.start()
+        return TransferResult(statuses, nbytes, op.op_id, False)
 
-    def _reload_worker(
-        self, op: Operation, ks: list[bytes], found: list[int], host_pages: list[int], dev_pages: list[int]
-    ) -> None:
+    def _reload_worker(self, op: Operation, keys: list[bytes], host_pages: list[int], dev_pages: list[int]) -> None:
         try:
-            self._copy_layers(op, host_pages, dev_pages, per_layer=True)
+            self._copy_layers(op, keys, host_pages, dev_pages, per_layer=True)
         except Exception:
             pass  # already published to the operation as FAILED
         finally:
-            with self.lock:
-                self._unref(ks, found)
+            self.cache.release(keys)
 
-    def _copy_layers(self, op: Operation, host_pages: list[int], dev_pages: list[int], *, per_layer: bool) -> None:
+    def _copy_layers(
+        self, op: Operation, keys: list[bytes], host_pages: list[int], dev_pages: list[int], *, per_layer: bool
+    ) -> None:
         """Copy (one layer at a time when per_layer, publishing each), count, publish DONE or
-        FAILED. per_layer runs without the lock held; otherwise the caller holds it."""
-        t0, nbytes, layer_num = time.perf_counter(), 0, self.geometry.layer_num
+        FAILED."""
+        t0, layer_num = time.perf_counter(), self.geometry.layer_num
         try:
-            for layer in range(layer_num) if per_layer else ():
-                nbytes += self.engine.reload(host_pages, dev_pages, layers=[layer])
-                op.layer_done(layer, layer + 1)
-            if not per_layer:
+            if per_layer:
+                handle = self.engine.reload_async(host_pages, dev_pages)
+                for layer in range(layer_num):
+                    handle.wait_layer(layer)
+                    op.layer_done(layer, layer + 1)
+                handle.wait()
+                nbytes = handle.nbytes
+            else:
                 nbytes = self.engine.reload(host_pages, dev_pages)
                 for layer in range(layer_num):
                     op.layer_done(layer, layer + 1)
         except Exception as exc:
             op.failed(f"{type(exc).__name__}: {exc}", 0)
             raise
-        seconds = time.perf_counter() - t0 if host_pages else 0.0
-        with self.lock if per_layer else contextlib.nullcontext():
+        with self.lock:
             self.counters.reload_bytes += nbytes
-            self.counters.reload_s += seconds
+            self.counters.reload_s += time.perf_counter() - t0 if host_pages else 0.0
         op.done()
 
-    def _unref(self, ks: list[bytes], found: list[int]) -> None:
-        for i in found:
-            self.index.unref(ks[i])
-
     # ---- index operations -------------------------------------------------------------------
-    def prefetch(self, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
-        """No storage tier yet: RESIDENT for keys in host memory, MISSING for the rest."""
+    def prefetch(self, keys: Sequence[bytes], policy: str | None = None) -> PrefetchOutcome:
+        """Fetch from storage into host the keys after the host-resident prefix that form a
+        prefix present in storage. best_effort answers at once (FETCHING keys; Watch the op
+        for progress); wait_complete waits for the end; timeout waits up to its allowance and
+        cancels the rest. Keys in no tier are MISSING. Raises ValueError for a bad policy."""
         ks = self.check_keys(keys)
         with self.lock:
             self._open()
-            return tuple(KeyStatus.RESIDENT if k in self.index else KeyStatus.MISSING for k in ks)
+        handle = self.cache.prefetch(ks, policy)
+        op_id = f"pf-{handle.id}"
+        with self.lock:
+            self._prefetches[op_id] = handle
+            while len(self._prefetches) > self._finished_kept:
+                self._prefetches.popitem(last=False)
+        timed_out = False
+        if handle.policy != "best_effort":
+            timed_out = handle.result().timed_out
+        done = handle.wait(0)
+        fetching = set(handle.fetch)
+        tiers = self.cache.lookup(ks)
+        fetched = KeyStatus.FETCHED if done else KeyStatus.FETCHING
+        statuses = tuple(
+            fetched
+            if k in fetching and (not done or t == "host")
+            else KeyStatus.RESIDENT
+            if t == "host"
+            else KeyStatus.MISSING
+            for k, t in zip(ks, tiers, strict=True)
+        )
+        return PrefetchOutcome(statuses, op_id, done, timed_out)
 
     def evict(self, keys: Sequence[bytes], num_pages: int) -> EvictResult:
-        """Drop `keys` (EVICTED / NOT_FOUND / BUSY when pinned or being read), or, with no
-        keys, free up to num_pages least recently used pages. Raises ValueError for both or neither."""
+        """Drop `keys` (EVICTED / NOT_FOUND / BUSY when pinned, being read or being written to
+        storage), or, with no keys, free up to num_pages least recently used pages (write_back
+        stores them first). Raises ValueError for both or neither."""
         ks = self.check_keys(keys)
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
             raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
@@ -204,74 +237,51 @@ class RegisteredPool:
             raise ValueError(f"give either keys or num_pages, got {len(ks)} keys and num_pages={num_pages}")
         with self.lock:
             self._open()
-            if not ks:
-                return EvictResult((), len(self.index.evict(num_pages)))
-            statuses = []
-            for key in ks:
-                if key not in self.index:
-                    statuses.append(KeyStatus.NOT_FOUND)
-                elif self.index.pins(key) or self.index.refs(key):
-                    statuses.append(KeyStatus.BUSY)
-                else:
-                    self.index.remove(key)
-                    statuses.append(KeyStatus.EVICTED)
-            return EvictResult(tuple(statuses), statuses.count(KeyStatus.EVICTED))
+        if not ks:
+            return EvictResult((), self.cache.evict(num_pages))
+        statuses = tuple(KeyStatus[s.upper()] for s in self.cache.drop(ks))
+        return EvictResult(statuses, statuses.count(KeyStatus.EVICTED))
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest resident prefix and each key's tier; the prefix becomes most recently used."""
+        """Each key's tier, and the length of the prefix held by some tier (what a Reload can
+        serve); the host-resident keys become most recently used."""
         ks = self.check_keys(keys)
         with self.lock:
             self._open()
-            prefix = self.index.prefix_length(ks)
-            for key in reversed(ks[:prefix]):  # the first page ends up most recently used
-                self.index.touch(key)
-            tiers = tuple(Tier.HOST if k in self.index else Tier.NONE for k in ks)
-            hits = tiers.count(Tier.HOST)
-            self.counters.host_hits += hits
-            self.counters.host_misses += len(ks) - hits
-            return LookupResult(prefix, tiers)
+        tiers = tuple(Tier(t) for t in self.cache.lookup(ks))
+        prefix = next((i for i, t in enumerate(tiers) if t == Tier.NONE), len(tiers))
+        self.cache.touch(ks)
+        return LookupResult(prefix, tiers)
 
     def pin(self, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
         ks = self.check_keys(keys)
         with self.lock:
             self._open()
-            out = []
-            for key in ks:
-                if key in self.index:
-                    self.index.pin(key)
-                    out.append(KeyStatus.PINNED)
-                else:
-                    out.append(KeyStatus.NOT_FOUND)
-            return tuple(out)
+        return tuple(KeyStatus[s.upper()] for s in self.cache.pin_each(ks))
 
     def unpin(self, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
         ks = self.check_keys(keys)
         with self.lock:
             self._open()
-            out = []
-            for key in ks:
-                if key not in self.index:
-                    out.append(KeyStatus.NOT_FOUND)
-                elif self.index.pins(key) == 0:
-                    out.append(KeyStatus.NOT_PINNED)
-                else:
-                    self.index.unpin(key)
-                    out.append(KeyStatus.UNPINNED)
-            return tuple(out)
+        return tuple(KeyStatus[s.upper()] for s in self.cache.unpin_each(ks))
 
-    def operation(self, op_id: str) -> Operation:
+    def operation(self, op_id: str) -> Operation | PrefetchHandle:
+        """Raises KeyError for an unknown id."""
         with self.lock:
-            return self._ops.get(op_id)
+            handle = self._prefetches.get(op_id)
+            return handle if handle is not None else self._ops.get(op_id)
 
     def stats(self) -> PoolStats:
+        cs = self.cache.stats()
+        g, ident = self.geometry, self.identity
+        st = cs["storage"]
+        tiers = (
+            TierStats(Tier.HOST, cs["host_used_pages"], cs["host_bytes"], cs["host_hits"], cs["host_misses"]),
+            TierStats(Tier.STORAGE, st["pages"] or 0, st["bytes"] or 0, cs["storage_hits"], cs["storage_misses"]),
+        )
         with self.lock:
-            c, g, ident = self.counters, self.geometry, self.identity
-            used = len(self.index)
-            pinned = sum(1 for k in self.index.keys() if self.index.pins(k))
-            tiers = (
-                TierStats(Tier.HOST, used, used * g.page_bytes, c.host_hits, c.host_misses),
-                TierStats(Tier.STORAGE, 0, 0, 0, 0),
-            )
+            c = self.counters
+            in_flight = len(self._ops.in_flight()) + cs["prefetches_active"]
             return PoolStats(
                 ident.pool_id,
                 ident.group,
@@ -279,21 +289,24 @@ class RegisteredPool:
                 ident.model_id,
                 self.device.num_pages,
                 self.host.num_pages,
-                used,
-                pinned,
+                cs["host_used_pages"],
+                self.cache.pinned_pages(),
                 g.page_bytes,
                 tiers,
                 c.offload_bytes,
                 c.gbps(c.offload_bytes, c.offload_s),
                 c.reload_bytes,
                 c.gbps(c.reload_bytes, c.reload_s),
-                len(self._ops.in_flight()),
+                in_flight,
+                self.cache.storage.backend,
+                bool(cs["storage_healthy"]),
+                cs["write_queue_depth"],
             )
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Refuse new calls, let in-flight transfers finish, then release host memory (unlink)
-        and the device mapping. Idempotent."""
+        """Refuse new calls, let in-flight transfers finish, write what is queued for storage,
+        then release host memory (unlink), the device mapping and the storage tier. Idempotent."""
         with self.lock:
             if self.closed:
                 return
@@ -301,13 +314,18 @@ class RegisteredPool:
             workers = list(self._workers)
         for worker in workers:
             worker.join()
+        self.cache.close()
+        self.cache.storage.close()
+        self.engine.close()
         self.host.close()
         self.device.close()
 
     def check_integrity(self) -> None:
         with self.lock:
+            closed = self.closed
+        if closed:
             self.index.check_integrity()
-            if not self.closed:
-                self.host.check_integrity()
-                self.device.check_integrity()
-                assert self.host.geometry == self.device.geometry == self.geometry
+            return
+        self.cache.check_integrity()
+        self.device.check_integrity()
+        assert self.host.geometry == self.device.geometry == self.geometry

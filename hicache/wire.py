@@ -17,6 +17,7 @@ _EVENT_KINDS = {
     "layer_done": pb.WatchEvent.KIND_LAYER_DONE,
     "done": pb.WatchEvent.KIND_DONE,
     "failed": pb.WatchEvent.KIND_FAILED,
+    "progress": pb.WatchEvent.KIND_PROGRESS,
 }
 _EVENT_NAMES = {v: k for k, v in _EVENT_KINDS.items()}
 
@@ -120,6 +121,9 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
         reload_bytes=s.reload_bytes,
         reload_gbps=s.reload_gbps,
         ops_in_flight=s.ops_in_flight,
+        storage_backend=s.storage_backend,
+        storage_healthy=s.storage_healthy,
+        storage_write_queue=s.storage_write_queue,
     )
 
 
@@ -141,4 +145,7 @@ def stats_from_pb(m: pb.PoolStats) -> PoolStats:
         m.reload_bytes,
         m.reload_gbps,
         m.ops_in_flight,
+        m.storage_backend,
+        m.storage_healthy,
+        m.storage_write_queue,
     )

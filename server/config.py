@@ -7,7 +7,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry
+from hicache.hf_config import model_geometries
 from hicache.pools.layouts import LAYOUTS
 from hicache.service_types import ServiceConfig
 
@@ -51,8 +53,6 @@ class ServerConfig:
 
 def expected_geometries(model_config: str, *, tp_size: int, page_size: int, dtype: str) -> dict[str, KVGeometry]:
     """The geometry of every KV group of the model in an HF config.json. Raises ValueError, OSError."""
-    from hicache.demo import model_geometries
-
     with open(model_config) as f:
         config = json.load(f)
     return model_geometries(config, tp_size=tp_size, page_size=page_size, dtype=dtype)
@@ -70,9 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), bfloat16, fp8_e4m3, ...")
-    p.add_argument("--hicache-size", type=float, default=0.0, help="host pool GB per registered pool (0: use ratio)")
-    p.add_argument("--hicache-ratio", type=float, default=2.0, help="host pages per device page")
     p.add_argument("--hicache-mem-layout", default="layer_first", choices=LAYOUTS)
+    HiCacheConfig.add_arguments(p)
     p.add_argument(
         "--lease-timeout", type=float, default=30.0, help="seconds before a silent client's pool is reclaimed"
     )
@@ -92,8 +91,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
         )
     service = ServiceConfig(
         expected=expected,
-        hicache_size_gb=args.hicache_size,
-        hicache_ratio=args.hicache_ratio,
+        hierarchy=HiCacheConfig.from_args(args),
         host_layout=args.hicache_mem_layout,
         lease_timeout_s=args.lease_timeout,
         max_batch=args.max_batch,

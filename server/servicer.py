@@ -118,8 +118,10 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     @_mapped
     def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
-        statuses = self.service.prefetch(request.request_id, request.pool_id, list(request.keys))
-        return pb.PrefetchResponse(statuses=wire.statuses_to_pb(statuses))
+        r = self.service.prefetch(request.request_id, request.pool_id, list(request.keys), request.policy)
+        return pb.PrefetchResponse(
+            statuses=wire.statuses_to_pb(r.statuses), op_id=r.op_id, done=r.done, timed_out=r.timed_out
+        )
 
     @_mapped
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from conftest import load_config
 
-from hicache.demo import model_geometries
 from hicache.geometry import KVGeometry
+from hicache.hf_config import model_geometries
 from hicache.keys import page_keys
 from hicache.memory import shm_dir
 from hicache.pools import DeviceKVPool
@@ -29,7 +29,7 @@ def mimo_full(page_size: int = PAGE_SIZE) -> KVGeometry:
 
 
 def make_service(**overrides: object) -> HiCacheService:
-    kwargs: dict[str, object] = {"expected": mimo_geometries(), "hicache_ratio": 2.0}
+    kwargs: dict[str, object] = {"expected": mimo_geometries()}
     kwargs.update(overrides)
     return HiCacheService(ServiceConfig(**kwargs))  # type: ignore[arg-type]
 

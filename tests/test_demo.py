@@ -24,6 +24,7 @@ from hicache.service_types import ServiceConfig
 from server import HiCacheServer, ServerConfig, create_server
 
 SMALL = ["--layers", "6", "--conversations", "3", "--turns", "3", "--system-tokens", "32", "--turn-tokens", "20,40"]
+SMALL += ["--hicache-ratio", "1"]  # a host pool smaller than the chats: pages spill to the file tier
 
 
 @pytest.fixture
@@ -45,6 +46,7 @@ def test_demo_serves_a_chat_from_every_tier_and_verifies_everything(sockdir, cap
         and r["tokens"] == r["device_tokens"] + r["host_tokens"] + r["storage_tokens"] + r["computed_tokens"]
     )
     assert r["device_tokens"] > 0 and r["host_tokens"] > 0  # the shared prompt, and earlier turns
+    assert r["storage_tokens"] > 0 and r["pages_prefetched"] > 0  # evicted from host, fetched back
     assert r["pages_reloaded"] > 0 and r["pages_verified"] == r["pages_reloaded"] and r["page_mismatches"] == 0
     assert r["attention_checked"] == 9 * 6 and r["attention_mismatches"] == 0
     assert r["device_evictions"] > 0  # more KV than the device pool holds
@@ -57,7 +59,7 @@ def mimo_small() -> dict:
 @pytest.fixture
 def served(sockdir: str) -> Iterator[tuple[HiCacheServer, str]]:
     geometries = model_geometries(mimo_small(), tp_size=1, page_size=16, dtype="bfloat16")
-    svc = ServiceConfig(expected=geometries, hicache_ratio=2.0)
+    svc = ServiceConfig(expected=geometries)  # host memory only
     srv, address = create_server(ServerConfig(socket=os.path.join(sockdir, "hc.sock"), service=svc))
     yield srv, address
     srv.stop(0)

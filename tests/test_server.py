@@ -88,7 +88,7 @@ def test_client_offload_layerwise_reload_via_watch(served):
         assert client.pin(keys[:1]) == (KeyStatus.PINNED,)
         assert client.evict(keys[:2]).statuses == (KeyStatus.BUSY, KeyStatus.EVICTED)
         assert client.unpin(keys[:1]) == (KeyStatus.UNPINNED,)
-        assert client.prefetch(keys[:2]) == (KeyStatus.RESIDENT, KeyStatus.MISSING)
+        assert client.prefetch(keys[:2]).statuses == (KeyStatus.RESIDENT, KeyStatus.MISSING)
         stats = client.stats()[0]
         assert stats.used_pages == 2 and stats.namespace == "tenant-a" and stats.reload_bytes > 0
     dev.close()
@@ -241,7 +241,8 @@ def test_flags_build_the_expected_geometry(sockdir):
     expected = config.service.expected
     assert expected is not None and set(expected) == {"full", "swa"}
     assert expected["full"] == mimo_full() and expected["full"].v_head_dim == 128
-    assert config.service.hicache_ratio == 3 and config.service.host_layout == "page_first" and level == "INFO"
+    assert config.service.hierarchy.ratio == 3 and config.service.host_layout == "page_first" and level == "INFO"
+    assert config.service.hierarchy.storage_backend == "file"  # the server's default tier
     with pytest.raises(ValueError, match="tp_size 3"):
         parse_args(["--model-config", str(CONFIG_PATH), "--tp-size", "3"])
 

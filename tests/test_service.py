@@ -8,6 +8,7 @@ import pytest
 import torch
 from sidecar_util import filled_device, keys_for, make_service, mimo_full, pages_of, shm_exists
 
+from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry
 from hicache.memory import MemoryHandle, RefCountedOpens
 from hicache.service import HiCacheService
@@ -48,15 +49,19 @@ def test_offload_dedup_reload_bit_exact(setup):
     svc.check_integrity()
 
 
-def test_reload_not_found_is_per_key_and_leaves_page_untouched(setup):
+def test_reload_serves_the_prefix_and_leaves_other_pages_untouched(setup):
+    """Chained keys: a page after a missing one is useless, so it is NOT_FOUND too."""
     svc, dev, info = setup
     keys = keys_for(3)
     svc.offload("o", info.pool_id, [keys[0], keys[2]], [0, 2])
-    before = pages_of(dev, [6])
+    before = pages_of(dev, [6, 7])
     r = svc.reload("r", info.pool_id, keys, [5, 6, 7])
-    assert r.statuses == (S.LOADED, S.NOT_FOUND, S.LOADED)
-    assert torch.equal(before[0], dev.read_page(6))
-    assert torch.equal(dev.read_page(0), dev.read_page(5)) and torch.equal(dev.read_page(2), dev.read_page(7))
+    assert r.statuses == (S.LOADED, S.NOT_FOUND, S.NOT_FOUND)
+    assert all(torch.equal(a, b) for a, b in zip(before, pages_of(dev, [6, 7]), strict=True))
+    assert torch.equal(dev.read_page(0), dev.read_page(5))
+    host = svc.stats(info.pool_id)[0].tiers[0]
+    assert (host.hits, host.misses) == (1, 2)
+    svc.check_integrity()
 
 
 def test_layerwise_reload_publishes_every_layer(setup):
@@ -79,7 +84,7 @@ def test_layerwise_reload_publishes_every_layer(setup):
 
 
 def test_no_space_is_per_key_and_resident_keys_survive():
-    svc = make_service(hicache_ratio=0.5)  # 8 device pages -> 4 host pages
+    svc = make_service(hierarchy=HiCacheConfig(storage_backend="none", ratio=0.5))  # 8 device pages -> 4 host pages
     dev = filled_device(8)
     info = register(svc, dev)
     assert info.host_pages == 4
@@ -103,7 +108,7 @@ def test_lookup_evict_pin_prefetch(setup):
     svc.offload("o", info.pool_id, keys[:3], [0, 1, 2])
     r = svc.lookup(info.pool_id, [keys[0], keys[1], keys[3], keys[2]])
     assert r.prefix_length == 2 and r.tiers == (Tier.HOST, Tier.HOST, Tier.NONE, Tier.HOST)
-    assert svc.prefetch("f", info.pool_id, keys[2:4]) == (S.RESIDENT, S.MISSING)
+    assert svc.prefetch("f", info.pool_id, keys[2:4]).statuses == (S.RESIDENT, S.MISSING)
     assert svc.pin("p", info.pool_id, [keys[0], keys[4]]) == (S.PINNED, S.NOT_FOUND)
     assert svc.evict("e", info.pool_id, [keys[0], keys[1], keys[4]]).statuses == (S.BUSY, S.EVICTED, S.NOT_FOUND)
     assert svc.unpin("u", info.pool_id, [keys[0], keys[0], keys[2]]) == (S.UNPINNED, S.NOT_PINNED, S.NOT_PINNED)
@@ -111,7 +116,7 @@ def test_lookup_evict_pin_prefetch(setup):
     assert r.pages_freed == 2 and r.statuses == ()
     assert svc.lookup(info.pool_id, keys).prefix_length == 0
     stats = svc.stats(info.pool_id)[0]
-    assert stats.used_pages == 0 and stats.tiers[0].hits == 3 and stats.tiers[0].misses == 6
+    assert stats.used_pages == 0 and stats.storage_backend == "none" and stats.storage_healthy
     svc.check_integrity()
 
 
@@ -209,7 +214,7 @@ def test_register_validates_memory_and_hash():
 def test_no_space_for_another_pool_and_host_size_from_gb():
     dev = filled_device(4)
     g = dev.geometry
-    svc = make_service(max_pools=1, hicache_size_gb=g.page_bytes * 3 / 1e9)
+    svc = make_service(max_pools=1, hierarchy=HiCacheConfig(storage_backend="none", size_gb=g.page_bytes * 3 / 1e9))
     info = register(svc, dev)
     assert info.host_pages == 3
     out = svc.register("again", geometry=g, device_pages=4, device_memory=dev.handle)

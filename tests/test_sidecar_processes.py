@@ -3,6 +3,7 @@ the sidecar runs as `python -m server` on a Unix socket."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def start_sidecar(sockdir: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     sock = os.path.join(sockdir, "hc.sock")
     args = ["--socket", sock, "--model-config", str(CONFIG_PATH), "--page-size", str(PAGE_SIZE)]
+    args += ["--hicache-storage-backend-extra-config", json.dumps({"dir": os.path.join(sockdir, "tier")})]
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", *args, "--kv-cache-dtype", "bfloat16", "--log-level", "WARNING", *extra],
         cwd=ROOT,
@@ -100,7 +102,7 @@ def test_v192_engine_is_refused_naming_v_head_dim(sidecar):
     dev = DeviceKVPool(wrong, 2)
     with HiCacheClient(sidecar, timeout=60) as client:
         with pytest.raises(HiCacheRpcError) as exc:
-            client.register(dev)
+            client.register(dev, model_id="MiMo-V2-Flash")
     assert exc.value.code.name == "INVALID_ARGUMENT" and "v_head_dim" in exc.value.details
     assert exc.value.details.endswith("model config: v_head_dim (engine 192, sidecar 128)")  # that field only
     dev.close()
@@ -113,7 +115,7 @@ DYING_ENGINE = textwrap.dedent(
     from sidecar_util import filled_device
     from hicache.client import HiCacheClient
     dev = filled_device(4)
-    info = HiCacheClient(sys.argv[1], timeout=60).register(dev)
+    info = HiCacheClient(sys.argv[1], timeout=60).register(dev, model_id="MiMo-V2-Flash")
     print(info.host_shm_name, dev.handle.name, flush=True)
     os._exit(0)  # dies without unregistering
     """
@@ -138,7 +140,7 @@ def test_dead_client_is_reclaimed_and_sigterm_shuts_down_cleanly():
         assert client.stats(all_pools=True) == []
         assert not shm_exists(host_shm)
         dev = filled_device(4)
-        info = client.register(dev)
+        info = client.register(dev, model_id="MiMo-V2-Flash")
         client.offload(client.page_keys(list(range(PAGE_SIZE))), [0])
         assert shm_exists(info.host_shm_name)
         proc.send_signal(signal.SIGTERM)

@@ -1,5 +1,23 @@
-"""The control path's cache state: which key lives in which host page. No torch here."""
+"""The control path's cache state: which key lives in which host page, the hierarchy over
+a storage tier, and its policies. No torch here."""
 
+from hicache.cache.config import HiCacheConfig, parse_extra_config
 from hicache.cache.index import HostIndex
+from hicache.cache.policies import PREFETCH_POLICIES, WRITE_POLICIES, PrefetchTimeout
+from hicache.cache.prefetch import PrefetchHandle, PrefetchResult, PrefetchStatus
+from hicache.cache.tiering import HierarchicalCache, LoadResult, Reservation
 
-__all__ = ["HostIndex"]
+__all__ = [
+    "PREFETCH_POLICIES",
+    "WRITE_POLICIES",
+    "HiCacheConfig",
+    "HierarchicalCache",
+    "HostIndex",
+    "LoadResult",
+    "PrefetchHandle",
+    "PrefetchResult",
+    "PrefetchStatus",
+    "PrefetchTimeout",
+    "Reservation",
+    "parse_extra_config",
+]

@@ -9,8 +9,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from hicache.geometry import KVGeometry
-from hicache.hf_config import GROUPS
+from hicache.hf_config import model_geometries
 
 # Per-layer lists in an HF config that must be cut when the layer count is.
 _PER_LAYER_KEYS = ("hybrid_layer_pattern", "layer_types")
@@ -26,20 +25,6 @@ def load_config(path: str | None) -> dict[str, Any]:
             return json.load(f)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON: {exc}") from None
-
-
-def model_geometries(config: dict[str, Any], *, tp_size: int, page_size: int, dtype: str) -> dict[str, KVGeometry]:
-    """Every KV group the model has, by name ("full", and "swa" for sliding-window layers)."""
-    out = {}
-    for group in GROUPS:
-        try:
-            out[group] = KVGeometry.from_hf_config(
-                config, tp_size=tp_size, page_size=page_size, dtype=dtype, group=group
-            )
-        except ValueError as exc:
-            if group == "full" or "has no layers" not in str(exc) and "does not exist" not in str(exc):
-                raise
-    return out
 
 
 def truncate_layers(config: dict[str, Any], layers: int) -> dict[str, Any]:

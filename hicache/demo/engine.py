@@ -25,7 +25,7 @@ from hicache.memory import local_buffer
 from hicache.pools import DeviceKVPool
 from hicache.service_types import KeyStatus, Tier
 
-LOADED = {KeyStatus.LOADED}
+LOADED = {KeyStatus.LOADED, KeyStatus.LOADED_FROM_STORAGE}
 
 
 def page_digest(pool: DeviceKVPool, page: int) -> bytes:
@@ -132,7 +132,10 @@ class DemoEngine:
         for g, pid in self.pool_ids.items():
             stored = [k for k, tier in zip(hit, found[g].tiers, strict=False) if tier == Tier.STORAGE]
             if stored:
-                self.tally.timed("Prefetch", self.client.prefetch, stored, pool=pid)
+                r = self.tally.timed("Prefetch", self.client.prefetch, stored, policy="wait_complete", pool=pid)
+                fetched = r.statuses.count(KeyStatus.FETCHED)
+                self.tally.pages_prefetched += fetched
+                self.tally.prefetch_bytes += fetched * self.pools[g].geometry.page_bytes
         return hit, tiers
 
     def _reload(self, keys: list[bytes], pages: list[int]) -> dict[str, ReloadHandle]:

@@ -29,6 +29,8 @@ class Tally:
     reload_bytes: int = 0  # host -> device
     pages_offloaded: int = 0
     pages_reloaded: int = 0
+    pages_prefetched: int = 0  # storage -> host ahead of the reload
+    prefetch_bytes: int = 0
     no_space: int = 0
     reload_misses: int = 0  # looked up as resident, then NOT_FOUND on reload (evicted meanwhile)
     device_evictions: int = 0
@@ -92,8 +94,8 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q)) * 1e3 if values else 0.0
 
 
-def summary(tally: Tally, pools: list[PoolStats], elapsed_s: float, storage: dict[str, float]) -> str:
-    """The final table. `storage`: GB written to / read from the storage tier, if known."""
+def summary(tally: Tally, pools: list[PoolStats], elapsed_s: float) -> str:
+    """The final table; `pools` are the sidecar's stats of the demo's pools."""
     t = tally
     lines = []
     saved = t.device_tokens + t.host_tokens + t.storage_tokens
@@ -113,11 +115,11 @@ def summary(tally: Tally, pools: list[PoolStats], elapsed_s: float, storage: dic
     row("prefill tokens saved", f"{saved} ({100 * saved / max(t.tokens, 1):.1f}%)")
     row("GB device -> host (offload)", f"{t.offload_bytes / 1e9:.3f} in {t.pages_offloaded} pages")
     row("GB host -> device (reload)", f"{t.reload_bytes / 1e9:.3f} in {t.pages_reloaded} pages")
-    if storage:
-        row(
-            "GB host -> storage / storage -> host",
-            f"{storage.get('written', 0.0):.3f} / {storage.get('read', 0.0):.3f}",
-        )
+    row("GB storage -> host (prefetch)", f"{t.prefetch_bytes / 1e9:.3f} in {t.pages_prefetched} pages")
+    backends = {s.storage_backend for s in pools}
+    held = sum(tier.bytes for s in pools for tier in s.tiers if tier.tier.value == "storage")
+    healthy = all(s.storage_healthy for s in pools)
+    row("storage tier", f"{'/'.join(sorted(backends))}: {held / 1e9:.3f} GB held, {'healthy' if healthy else 'DOWN'}")
     for s in pools:
         row(
             f"transfer GB/s [{s.group}] offload / reload",

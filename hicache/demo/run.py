@@ -49,10 +49,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--hicache-ratio", type=float, default=2.0, help="host pages per device page")
     s.add_argument("--hicache-size", type=float, default=0.0, help="host pool GB per group (0: use the ratio)")
     s.add_argument("--hicache-mem-layout", default="layer_first")
-    s.add_argument("--storage-backend", default="file", help="file, redis or none")
+    s.add_argument("--hicache-storage-backend", default="file", help="file, redis or none")
     s.add_argument(
-        "--storage-extra-config", default="", help="JSON for the backend (file: default dir in the temp folder)"
+        "--hicache-storage-backend-extra-config",
+        default="",
+        help='JSON for the backend (default for file: {"dir": <temp folder>/storage})',
     )
+    s.add_argument("--hicache-write-policy", default="write_through")
+    s.add_argument("--hicache-storage-prefetch-policy", default="best_effort")
     s.add_argument("--sidecar", default=None, metavar="TARGET", help="use this running sidecar (socket path or target)")
     s.add_argument(
         "--token", default=os.environ.get("HICACHE_TOKEN"), help="the sidecar's token (default $HICACHE_TOKEN)"
@@ -74,6 +78,12 @@ def sidecar_args(args: argparse.Namespace, config_path: str, workdir: str) -> li
     out = ["--model-config", config_path, "--tp-size", str(args.tp_size), "--page-size", str(args.page_size)]
     out += ["--kv-cache-dtype", args.dtype, "--hicache-ratio", str(args.hicache_ratio)]
     out += ["--hicache-size", str(args.hicache_size), "--hicache-mem-layout", args.hicache_mem_layout]
+    extra = args.hicache_storage_backend_extra_config
+    if not extra and args.hicache_storage_backend == "file":
+        extra = json.dumps({"dir": os.path.join(workdir, "storage")})
+    out += ["--hicache-storage-backend", args.hicache_storage_backend, "--hicache-storage-backend-extra-config", extra]
+    out += ["--hicache-write-policy", args.hicache_write_policy]
+    out += ["--hicache-storage-prefetch-policy", args.hicache_storage_prefetch_policy]
     out += ["--log-level", "WARNING"]
     return out
 
@@ -154,7 +164,7 @@ def _run_engine(
         progress.close()
         elapsed = time.perf_counter() - t0
         stats: list[PoolStats] = [client.stats(pool=pid)[0] for pid in pool_ids.values()]
-        print(summary(tally, stats, elapsed, {}))
+        print(summary(tally, stats, elapsed))
         if args.report_json:
             with open(args.report_json, "w") as f:
                 json.dump({**asdict(tally), "failures": tally.failures(), "elapsed_s": elapsed}, f)

@@ -22,6 +22,9 @@ class KeyStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KEY_STATUS_PINNED: _ClassVar[KeyStatus]
     KEY_STATUS_UNPINNED: _ClassVar[KeyStatus]
     KEY_STATUS_NOT_PINNED: _ClassVar[KeyStatus]
+    KEY_STATUS_LOADED_FROM_STORAGE: _ClassVar[KeyStatus]
+    KEY_STATUS_FETCHING: _ClassVar[KeyStatus]
+    KEY_STATUS_FETCHED: _ClassVar[KeyStatus]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +45,9 @@ KEY_STATUS_BUSY: KeyStatus
 KEY_STATUS_PINNED: KeyStatus
 KEY_STATUS_UNPINNED: KeyStatus
 KEY_STATUS_NOT_PINNED: KeyStatus
+KEY_STATUS_LOADED_FROM_STORAGE: KeyStatus
+KEY_STATUS_FETCHING: KeyStatus
+KEY_STATUS_FETCHED: KeyStatus
 TIER_UNSPECIFIED: Tier
 TIER_NONE: Tier
 TIER_HOST: Tier
@@ -200,20 +206,28 @@ class ReloadResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., op_id: _Optional[str] = ..., done: _Optional[bool] = ..., bytes_copied: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("request_id", "pool_id", "keys")
+    __slots__ = ("request_id", "pool_id", "keys", "policy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     pool_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    policy: str
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
-    __slots__ = ("statuses",)
+    __slots__ = ("statuses", "op_id", "done", "timed_out")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
-    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ...) -> None: ...
+    op_id: str
+    done: bool
+    timed_out: bool
+    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., op_id: _Optional[str] = ..., done: _Optional[bool] = ..., timed_out: _Optional[bool] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("request_id", "pool_id", "keys", "num_pages")
@@ -288,7 +302,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "group", "namespace", "model_id", "device_pages", "host_pages", "used_pages", "pinned_pages", "page_bytes", "tiers", "offload_bytes", "offload_gbps", "reload_bytes", "reload_gbps", "ops_in_flight")
+    __slots__ = ("pool_id", "group", "namespace", "model_id", "device_pages", "host_pages", "used_pages", "pinned_pages", "page_bytes", "tiers", "offload_bytes", "offload_gbps", "reload_bytes", "reload_gbps", "ops_in_flight", "storage_backend", "storage_healthy", "storage_write_queue")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +318,9 @@ class PoolStats(_message.Message):
     RELOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     RELOAD_GBPS_FIELD_NUMBER: _ClassVar[int]
     OPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_WRITE_QUEUE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     group: str
     namespace: str
@@ -319,7 +336,10 @@ class PoolStats(_message.Message):
     reload_bytes: int
     reload_gbps: float
     ops_in_flight: int
-    def __init__(self, pool_id: _Optional[str] = ..., group: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., device_pages: _Optional[int] = ..., host_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offload_bytes: _Optional[int] = ..., offload_gbps: _Optional[float] = ..., reload_bytes: _Optional[int] = ..., reload_gbps: _Optional[float] = ..., ops_in_flight: _Optional[int] = ...) -> None: ...
+    storage_backend: str
+    storage_healthy: bool
+    storage_write_queue: int
+    def __init__(self, pool_id: _Optional[str] = ..., group: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., device_pages: _Optional[int] = ..., host_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offload_bytes: _Optional[int] = ..., offload_gbps: _Optional[float] = ..., reload_bytes: _Optional[int] = ..., reload_gbps: _Optional[float] = ..., ops_in_flight: _Optional[int] = ..., storage_backend: _Optional[str] = ..., storage_healthy: _Optional[bool] = ..., storage_write_queue: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("pools", "ops_in_flight")
@@ -345,10 +365,12 @@ class WatchEvent(_message.Message):
         KIND_LAYER_DONE: _ClassVar[WatchEvent.Kind]
         KIND_DONE: _ClassVar[WatchEvent.Kind]
         KIND_FAILED: _ClassVar[WatchEvent.Kind]
+        KIND_PROGRESS: _ClassVar[WatchEvent.Kind]
     KIND_UNSPECIFIED: WatchEvent.Kind
     KIND_LAYER_DONE: WatchEvent.Kind
     KIND_DONE: WatchEvent.Kind
     KIND_FAILED: WatchEvent.Kind
+    KIND_PROGRESS: WatchEvent.Kind
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]

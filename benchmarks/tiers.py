@@ -1,0 +1,270 @@
+"""Storage-tier throughput as ratios to the physical limits measured in the same run.
+
+- file tier: batch_set / batch_get GB/s against a plain sequential write / read of the
+  same bytes to one file in the same folder (with fsync at the end when the tier fsyncs).
+  Reads come from the page cache; a second read baseline keeps each page in a new buffer
+  per batch, as batch_get must (its cost is mostly page faults on fresh memory).
+- redis tier: pages/s and GB/s against a raw redis-py pipeline SET / GET of the same
+  values (header included), same batch size, same server.
+- HostIndex: memory per key (tracemalloc) and time per allocate+bind at growing key
+  counts, to show the per-key cost does not grow.
+
+    python benchmarks/tiers.py [--pages 256] [--dir /tmp] [--redis-url URL] [--json]
+
+Without --redis-url it starts a private redis-server on a unix socket (skipped if absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+from hicache.cache.index import HostIndex
+from hicache.geometry import KVGeometry
+from hicache.storage import TierIdentity
+from hicache.storage import page_format as fmt
+from hicache.storage.file import FileTier
+from hicache.storage.redis import RedisTier
+
+BATCH = 32
+
+
+def geometry() -> KVGeometry:
+    """MiMo-V2-Flash full-attention group, bf16, 64-token pages: K 192 / V 128, 1.47 MB."""
+    return KVGeometry(layer_num=9, head_num=4, head_dim=192, v_head_dim=128, page_size=64)
+
+
+def pages_of(g: KVGeometry, n: int) -> list[tuple[bytes, bytes]]:
+    return [(i.to_bytes(8, "little") * 4, os.urandom(g.page_bytes)) for i in range(n)]
+
+
+def timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_file(g: KVGeometry, items: list[tuple[bytes, bytes]], folder: Path, fsync: bool) -> dict[str, Any]:
+    ident = TierIdentity.for_geometry(g, "bench@0")
+    nbytes = len(items) * g.page_bytes
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        plain = Path(tmp) / "plain.bin"
+
+        def plain_write() -> None:
+            with open(plain, "wb") as f:
+                for _, data in items:
+                    f.write(data)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+
+        def plain_read() -> None:
+            with open(plain, "rb") as f:
+                while f.read(g.page_bytes):
+                    pass
+
+        def plain_read_kept() -> None:  # the same, but each page lands in a new buffer kept per batch
+            with open(plain, "rb") as f:
+                kept = []
+                while data := f.read(g.page_bytes):
+                    kept.append(data)
+                    if len(kept) == BATCH:
+                        kept = []
+
+        tier = FileTier(ident, Path(tmp) / "tier", fsync=fsync)
+        keys = [k for k, _ in items]
+
+        def tier_write() -> None:
+            for s in range(0, len(items), BATCH):
+                assert all(tier.batch_set(items[s : s + BATCH]))
+
+        def tier_read() -> None:
+            for s in range(0, len(keys), BATCH):
+                assert all(x is not None for x in tier.batch_get(keys[s : s + BATCH]))
+
+        pw, tw = timed(plain_write), timed(tier_write)
+        pr, pk, tr = timed(plain_read), timed(plain_read_kept), timed(tier_read)  # all from the page cache
+        tier.check_integrity()
+    return {
+        "fsync": fsync,
+        "pages": len(items),
+        "page_bytes": g.page_bytes,
+        "plain_write_GBps": nbytes / pw / 1e9,
+        "tier_write_GBps": nbytes / tw / 1e9,
+        "write_ratio": pw / tw,
+        "plain_read_GBps": nbytes / pr / 1e9,
+        "tier_read_GBps": nbytes / tr / 1e9,
+        "read_ratio": pr / tr,
+        "plain_read_kept_GBps": nbytes / pk / 1e9,
+        "read_ratio_kept": pk / tr,
+    }
+
+
+def bench_redis(g: KVGeometry, items: list[tuple[bytes, bytes]], url: str) -> dict[str, Any]:
+    import redis
+
+    ident = TierIdentity.for_geometry(g, "bench@0")
+    tier = RedisTier(ident, url, timeout_s=30)
+    raw = redis.Redis.from_url(url, socket_timeout=30)
+    raw.flushdb()
+    values = [(b"raw:" + k, fmt.encode_page(ident, k, d)) for k, d in items]
+    nbytes, n = len(items) * g.page_bytes, len(items)
+
+    def raw_set() -> None:
+        for s in range(0, n, BATCH):
+            pipe = raw.pipeline(transaction=False)
+            for k, v in values[s : s + BATCH]:
+                pipe.set(k, v)
+            pipe.execute()
+
+    def raw_get() -> None:
+        for s in range(0, n, BATCH):
+            pipe = raw.pipeline(transaction=False)
+            for k, _ in values[s : s + BATCH]:
+                pipe.get(k)
+            assert all(x is not None for x in pipe.execute())
+
+    def tier_set() -> None:
+        for s in range(0, n, BATCH):
+            assert all(tier.batch_set(items[s : s + BATCH]))
+
+    def tier_get() -> None:
+        keys = [k for k, _ in items]
+        for s in range(0, n, BATCH):
+            assert all(x is not None for x in tier.batch_get(keys[s : s + BATCH]))
+
+    rs, ts = timed(raw_set), timed(tier_set)
+    rg, tg = timed(raw_get), timed(tier_get)
+    raw.flushdb()
+    tier.close()
+    return {
+        "pages": n,
+        "raw_set_pages_per_s": n / rs,
+        "tier_set_pages_per_s": n / ts,
+        "raw_set_GBps": nbytes / rs / 1e9,
+        "tier_set_GBps": nbytes / ts / 1e9,
+        "set_ratio": rs / ts,
+        "raw_get_pages_per_s": n / rg,
+        "tier_get_pages_per_s": n / tg,
+        "raw_get_GBps": nbytes / rg / 1e9,
+        "tier_get_GBps": nbytes / tg / 1e9,
+        "get_ratio": rg / tg,
+    }
+
+
+def bench_index(counts: list[int]) -> list[dict[str, Any]]:
+    out = []
+    for n in counts:
+        keys = [i.to_bytes(32, "little") for i in range(n)]  # made before measuring: not index cost
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        index = HostIndex(n)
+        t = time.perf_counter()
+        got = index.allocate(n)
+        assert got is not None
+        for k, p in zip(keys, got[0], strict=True):
+            index.bind(k, p)
+        fill_s = time.perf_counter() - t
+        used = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        t = time.perf_counter()
+        for k in keys[::7]:
+            index.touch(k)
+        touch_s = (time.perf_counter() - t) / len(keys[::7])
+        t = time.perf_counter()
+        evicted = index.evict(n // 2)
+        evict_s = (time.perf_counter() - t) / max(1, len(evicted))
+        index.check_integrity() if n <= 100_000 else None
+        out.append(
+            {
+                "keys": n,
+                "bytes_per_key": used / n,
+                "allocate_bind_us_per_key": fill_s / n * 1e6,
+                "touch_us": touch_s * 1e6,
+                "evict_us_per_key": evict_s * 1e6,
+            }
+        )
+        del index, keys, got, evicted
+    return out
+
+
+def start_redis(tmp: str) -> tuple[subprocess.Popen[bytes], str] | None:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None
+    sock = os.path.join(tmp, "redis.sock")
+    proc = subprocess.Popen(
+        [exe, "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly", "no", "--dir", tmp],
+        stdout=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 20
+    while not os.path.exists(sock):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            return None
+        time.sleep(0.02)
+    return proc, f"unix://{sock}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pages", type=int, default=256)
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="folder for the file tier and the plain file")
+    ap.add_argument("--redis-url", default="")
+    ap.add_argument("--index-keys", default="100000,1000000", help="comma-separated key counts")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    g = geometry()
+    items = pages_of(g, args.pages)
+    result: dict[str, Any] = {"geometry": g.to_dict(), "batch": BATCH}
+    result["file"] = [bench_file(g, items, Path(args.dir), fsync) for fsync in (False, True)]
+    with tempfile.TemporaryDirectory() as tmp:
+        server = None if args.redis_url else start_redis(tmp)
+        url = args.redis_url or (server[1] if server else "")
+        try:
+            result["redis"] = bench_redis(g, items[: min(len(items), 128)], url) if url else "skipped: no redis-server"
+        finally:
+            if server:
+                server[0].terminate()
+                server[0].wait()
+    result["index"] = bench_index([int(x) for x in args.index_keys.split(",")])
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+        return
+    print(f"page {g.page_bytes / 1e6:.2f} MB (MiMo-V2-Flash full, bf16, 64 tokens), batches of {BATCH}")
+    for r in result["file"]:
+        print(
+            f"file tier fsync={r['fsync']!s:5}: write {r['tier_write_GBps']:.2f} GB/s vs plain "
+            f"{r['plain_write_GBps']:.2f} (ratio {r['write_ratio']:.2f}); read {r['tier_read_GBps']:.2f} "
+            f"vs {r['plain_read_GBps']:.2f} (ratio {r['read_ratio']:.2f}; vs {r['plain_read_kept_GBps']:.2f} "
+            f"into kept buffers, ratio {r['read_ratio_kept']:.2f})"
+        )
+    r = result["redis"]
+    if isinstance(r, dict):
+        print(
+            f"redis tier: set {r['tier_set_pages_per_s']:.0f} pages/s {r['tier_set_GBps']:.2f} GB/s vs raw "
+            f"{r['raw_set_GBps']:.2f} (ratio {r['set_ratio']:.2f}); get {r['tier_get_pages_per_s']:.0f} pages/s "
+            f"{r['tier_get_GBps']:.2f} GB/s vs raw {r['raw_get_GBps']:.2f} (ratio {r['get_ratio']:.2f})"
+        )
+    else:
+        print(f"redis tier: {r}")
+    for r in result["index"]:
+        print(
+            f"HostIndex {r['keys']:>9,} keys: {r['bytes_per_key']:.0f} B/key, allocate+bind "
+            f"{r['allocate_bind_us_per_key']:.2f} us/key, touch {r['touch_us']:.2f} us, "
+            f"evict {r['evict_us_per_key']:.2f} us/key"
+        )
+
+
+if __name__ == "__main__":
+    main()

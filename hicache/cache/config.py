@@ -1,0 +1,140 @@
+"""HiCacheConfig: the hierarchy's settings, with the flag names users of SGLang know.
+
+    --hicache-storage-backend file|redis|none        (default file)
+    --hicache-write-policy write_through|write_through_selective|write_back
+    --hicache-storage-prefetch-policy best_effort|wait_complete|timeout
+    --hicache-storage-backend-extra-config JSON       file: {"dir", "max_bytes", "fsync"};
+        redis: {"url", "timeout_s", "ttl_s", "backoff_initial_s", "backoff_max_s"}; any
+        backend: {"prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s",
+        "prefetch_timeout_max_s"} for the timeout policy
+    --hicache-size GB    host pool size in GB (0: use --hicache-ratio)
+    --hicache-ratio R    host pool pages = R x device pool pages
+
+add_arguments(parser) adds them to any argparse parser; from_args(namespace) reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.cache.policies import (
+    PREFETCH_POLICIES,
+    WRITE_POLICIES,
+    PrefetchTimeout,
+    check_prefetch_policy,
+    check_write_policy,
+)
+from hicache.cache.tiering import HierarchicalCache, PagePool
+from hicache.geometry import KVGeometry
+from hicache.storage.base import StorageTier, TierIdentity
+from hicache.storage.factory import BACKENDS, check_extra, make_tier
+
+_TIMEOUT_KEYS = {
+    "prefetch_timeout_base_s": "base_s",
+    "prefetch_timeout_per_ki_token_s": "per_ki_token_s",
+    "prefetch_timeout_max_s": "max_s",
+}
+
+
+def parse_extra_config(text: str | None) -> dict[str, Any]:
+    """The JSON object in `text` ({} for None or ""). Raises ValueError quoting the text."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--hicache-storage-backend-extra-config is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--hicache-storage-backend-extra-config must be a JSON object, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """Validated hierarchy settings. Raises ValueError naming a bad value."""
+
+    storage_backend: str = "file"
+    write_policy: str = "write_through"
+    prefetch_policy: str = "best_effort"
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    size_gb: float = 0.0
+    ratio: float = 2.0
+
+    def __post_init__(self) -> None:
+        check_write_policy(self.write_policy)
+        check_prefetch_policy(self.prefetch_policy)
+        check_extra(self.storage_backend, self.storage_extra)
+        self.prefetch_timeout  # noqa: B018 - validates the timeout keys
+        for name in ("size_gb", "ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"hicache {name} must be a number >= 0, got {value!r}")
+        if self.size_gb == 0 and self.ratio <= 0:
+            raise ValueError(f"hicache ratio must be > 0 when size is 0, got {self.ratio}")
+
+    @property
+    def storage_extra(self) -> dict[str, Any]:
+        """The extra config meant for the backend (without the prefetch timeout keys)."""
+        return {k: v for k, v in self.extra_config.items() if k not in _TIMEOUT_KEYS}
+
+    @property
+    def prefetch_timeout(self) -> PrefetchTimeout:
+        return PrefetchTimeout(**{_TIMEOUT_KEYS[k]: v for k, v in self.extra_config.items() if k in _TIMEOUT_KEYS})
+
+    # ---- argparse -----------------------------------------------------------------------------
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """Add the --hicache-* flags. Values are validated by from_args, not by argparse,
+        so one error type (ValueError naming the value) covers flags and code alike."""
+        d = HiCacheConfig()
+        g = parser.add_argument_group("hicache hierarchy")
+        g.add_argument("--hicache-storage-backend", default=d.storage_backend, help=f"one of {', '.join(BACKENDS)}")
+        g.add_argument("--hicache-write-policy", default=d.write_policy, help=f"one of {', '.join(WRITE_POLICIES)}")
+        g.add_argument(
+            "--hicache-storage-prefetch-policy",
+            default=d.prefetch_policy,
+            help=f"one of {', '.join(PREFETCH_POLICIES)}",
+        )
+        g.add_argument(
+            "--hicache-storage-backend-extra-config", default="", help="a JSON object; see hicache.cache.config"
+        )
+        g.add_argument("--hicache-size", type=float, default=d.size_gb, help="host pool GB (0: use --hicache-ratio)")
+        g.add_argument("--hicache-ratio", type=float, default=d.ratio, help="host pages per device page")
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> HiCacheConfig:
+        return cls(
+            storage_backend=ns.hicache_storage_backend,
+            write_policy=ns.hicache_write_policy,
+            prefetch_policy=ns.hicache_storage_prefetch_policy,
+            extra_config=parse_extra_config(ns.hicache_storage_backend_extra_config),
+            size_gb=ns.hicache_size,
+            ratio=ns.hicache_ratio,
+        )
+
+    # ---- building ---------------------------------------------------------------------------
+    def host_pages(self, geometry: KVGeometry, device_pages: int) -> int:
+        """Host pool pages: size_gb of pages if set, else ratio x device_pages (at least 1)."""
+        if self.size_gb > 0:
+            return max(1, int(self.size_gb * 1e9) // geometry.page_bytes)
+        return max(1, int(self.ratio * device_pages))
+
+    def make_tier(self, geometry: KVGeometry, model_id: str, namespace: str = "") -> StorageTier:
+        """The storage tier for pages of `geometry` written by model `model_id`."""
+        ident = TierIdentity.for_geometry(geometry, model_id, namespace)
+        return make_tier(self.storage_backend, self.storage_extra, ident)
+
+    def build(self, pool: PagePool, storage: StorageTier, **kwargs: Any) -> HierarchicalCache:
+        """A HierarchicalCache over `pool` and `storage` with these policies."""
+        return HierarchicalCache(
+            pool,
+            storage,
+            write_policy=self.write_policy,
+            prefetch_policy=self.prefetch_policy,
+            prefetch_timeout=self.prefetch_timeout,
+            **kwargs,
+        )

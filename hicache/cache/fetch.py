@@ -1,0 +1,162 @@
+"""Storage -> host: the prefetch worker and load()'s fetch of keys found only in storage.
+
+A mixin of HierarchicalCache (tiering.py), over the write-policy mixin, split out to keep files small; it follows the
+cache's locking rules: pages are reserved under the lock, filled outside it, bound under it.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Sequence
+
+from hicache.cache.policies import PrefetchPolicy, PrefetchTimeout, check_prefetch_policy
+from hicache.cache.prefetch import PrefetchHandle
+from hicache.cache.write_policy import WritePolicyMixin
+
+
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """`keys` as a list; ValueError for a key that is not non-empty bytes, or duplicates."""
+    keys = list(keys)
+    for k in keys:
+        if not isinstance(k, bytes) or not k:
+            raise ValueError(f"a key must be non-empty bytes, got {k!r}")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate keys in one call: {len(keys) - len(set(keys))} repeated")
+    return keys
+
+
+class FetchMixin(WritePolicyMixin):
+    # provided by HierarchicalCache (the write-policy half comes from WritePolicyMixin)
+    prefetch_policy: PrefetchPolicy
+    prefetch_timeout: PrefetchTimeout
+    fetch_batch_pages: int
+    _pending: dict[bytes, object]
+    _active: dict[int, PrefetchHandle]
+    _next_id: int
+    _prefetch_queue: queue.Queue[tuple[PrefetchHandle, list[int]] | None]
+
+    # ---- prefetch -------------------------------------------------------------------------------
+    def prefetch(self, keys: Sequence[bytes], policy: str | None = None) -> PrefetchHandle:
+        """Start fetching, in the background, the keys after the host-resident prefix of
+        `keys` that form a prefix present in storage. Returns at once; the handle reports
+        progress and its result() waits as `policy` (default: the cache's) says. Pages that
+        do not fit (pinned/referenced pages fill the pool) are not fetched. Raises ValueError
+        for bad keys or an unknown policy."""
+        keys = check_keys(keys)
+        chosen = check_prefetch_policy(policy if policy is not None else self.prefetch_policy)
+        with self._lock:
+            rest = keys[self.index.prefix_length(keys) :]
+        present = self.storage.batch_exists(rest) if rest and self.storage.enabled else 0
+        with self._lock:
+            fetch = [k for k in rest[:present] if k not in self.index and k not in self._pending]
+            pages, backups = self._reserve_locked(keys, fetch)
+            fetch = fetch[: len(pages)]
+            self._next_id += 1
+            tokens = len(fetch) * self.pool.geometry.page_size
+            handle = PrefetchHandle(
+                self._next_id, keys, fetch, chosen, self.prefetch_timeout.seconds(tokens), self._ready_prefix
+            )
+            handle.depends = list(
+                {id(h): h for k in rest[:present] if isinstance(h := self._pending.get(k), PrefetchHandle)}.values()
+            )
+            for k in fetch:
+                self._pending[k] = handle
+            self._n["prefetches"] += 1
+            if fetch:
+                self._active[handle.id] = handle
+        self._submit(self._read_evicted(backups))  # before the worker may overwrite those pages
+        if fetch:
+            self._prefetch_queue.put((handle, pages))
+        return handle
+
+    def _ready_prefix(self, keys: list[bytes]) -> int:
+        with self._lock:
+            return self.index.prefix_length(keys)
+
+    def _reserve_locked(self, keys: list[bytes], fetch: list[bytes]) -> tuple[list[int], list[tuple[bytes, int]]]:
+        """Pages for as many of `fetch` as fit, never evicting a resident key of `keys`."""
+        held = [k for k in keys if k in self.index]
+        for k in held:
+            self.index.ref(k)
+        try:
+            n = min(len(fetch), self.index.free_pages + self.index.evictable_pages)
+            got = self.index.allocate(n)
+        finally:
+            for k in held:
+                self.index.unref(k)
+        assert got is not None
+        pages, evicted = got
+        return pages, self._evicted_locked(evicted)
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            item = self._prefetch_queue.get()
+            if item is None:
+                return
+            handle, pages = item
+            try:
+                self._fetch_into(handle.fetch, pages, ref=False, handle=handle)
+            finally:
+                handle.finish()
+                status = handle.status()
+                with self._lock:
+                    self._active.pop(handle.id, None)
+                    self._n["prefetch_pages"] += status.done
+                    self._n["prefetch_failures"] += status.failed
+
+    # ---- load's fetch -----------------------------------------------------------------------
+    def _load_from_storage(self, rest: list[bytes]) -> list[tuple[bytes, int]]:
+        """Fetch the storage-present prefix of `rest` into host, referenced."""
+        present = self.storage.batch_exists(rest)
+        with self._lock:
+            fetch = []
+            for k in rest[:present]:
+                if k in self.index or k in self._pending:
+                    break
+                fetch.append(k)
+            pages, backups = self._reserve_locked([], fetch)
+            fetch = fetch[: len(pages)]
+            for k in fetch:
+                self._pending[k] = "load"
+        self._submit(self._read_evicted(backups))
+        done = self._fetch_into(fetch, pages, ref=True, handle=None)
+        with self._lock:
+            self._n["storage_hits"] += len(done)
+            self._n["storage_misses"] += len(rest) - len(done)
+        return done
+
+    def _fetch_into(
+        self, keys: list[bytes], pages: list[int], *, ref: bool, handle: PrefetchHandle | None
+    ) -> list[tuple[bytes, int]]:
+        """Fill reserved `pages` with `keys` from storage in batches and bind them, stopping
+        at the first miss or a cancel; the unused pages go back. Returns what was bound."""
+        done: list[tuple[bytes, int]] = []
+        try:
+            for start in range(0, len(keys), self.fetch_batch_pages):
+                if handle is not None and handle.cancelled:
+                    break
+                chunk = keys[start : start + self.fetch_batch_pages]
+                good = 0
+                for data, page in zip(self.storage.batch_get(chunk), pages[start:], strict=False):
+                    if data is None:
+                        break
+                    self.pool.write_page(page, data)
+                    good += 1
+                with self._lock:
+                    for k, page in zip(chunk[:good], pages[start:], strict=False):
+                        del self._pending[k]
+                        self.index.bind(k, page)
+                        self._stored.add(k)
+                        if ref:
+                            self.index.ref(k)
+                        done.append((k, page))
+                if handle is not None:
+                    handle.advance(good)
+                if good < len(chunk):
+                    break
+        finally:
+            with self._lock:
+                for k in keys[len(done) :]:
+                    self._pending.pop(k, None)
+                self.index.release(pages[len(done) :])
+        return done

@@ -1,0 +1,342 @@
+"""HierarchicalCache: the host pool, its index and a storage tier, with write and prefetch
+policies. The control path of the sidecar; it touches page bytes only through the pool's
+read_page/write_page and never imports torch.
+
+Locking: one lock (`_lock`) guards the HostIndex and every map here (pending keys, queued
+writes, hit counts, stored flags, counters). It is never held across storage I/O or a page
+copy. Copies are safe outside it because a page being filled is reserved (owned by one
+caller until bound) and a page being read for a write is referenced (never evicted). The
+storage writer and the prefetch worker are threads of their own; each PrefetchHandle has
+its own condition. Lock order: cache lock, then writer/handle conditions, never back.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from hicache.cache.fetch import FetchMixin, check_keys
+from hicache.cache.index import HostIndex
+from hicache.cache.key_ops import KeyOpsMixin
+from hicache.cache.policies import (
+    PrefetchPolicy,
+    PrefetchTimeout,
+    check_prefetch_policy,
+    check_write_policy,
+)
+from hicache.cache.prefetch import PrefetchHandle
+from hicache.cache.writer import StorageWriter
+from hicache.geometry import KVGeometry
+from hicache.storage.base import Buffer, StorageTier, TierIdentity
+from hicache.storage.null import NullTier
+
+Tier = Literal["host", "storage", "none"]
+OFFLOAD = "offload"  # owner of keys reserved by reserve()
+LOAD = "load"  # owner of keys being fetched by load()
+
+
+class PagePool(Protocol):
+    """What the cache needs of a host pool (HostKVPool has it)."""
+
+    geometry: KVGeometry
+
+    @property
+    def num_pages(self) -> int: ...
+    def read_page(self, page: int) -> Any: ...  # a uint8 tensor (or buffer) of page_bytes
+    def write_page(self, page: int, data: Buffer) -> None: ...
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """reserve()'s answer: copy the `new` keys' data into their host pages, then commit()."""
+
+    new: list[tuple[bytes, int]]
+    existing: list[tuple[bytes, int]]  # already on host: nothing to copy
+    pending: list[bytes]  # being filled by another offload or a prefetch: nothing to copy
+    refused: list[bytes] = field(default_factory=list)  # reserve(partial=True): no room left
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """load()'s answer: the leading keys now on host, referenced until release(keys)."""
+
+    keys: list[bytes]
+    pages: list[int]
+    sources: list[Tier]  # "host", or "storage" for a key fetched from storage first
+
+
+class HierarchicalCache(KeyOpsMixin, FetchMixin):
+    """Host pages addressed by key, over a storage tier. Thread-safe.
+
+    write_policy: "write_through" (every offloaded page is also stored), "write_through_
+    selective" (stored when used a second time: a re-offload or a load from host), or
+    "write_back" (stored when evicted from host). Storage writes run on a background thread
+    and never block. prefetch_policy: how PrefetchHandle.result() waits (see prefetch.py).
+    Raises ValueError for a bad policy, a tier whose identity does not match the pool's
+    geometry, or bad keys (not bytes, empty, duplicated).
+    """
+
+    def __init__(
+        self,
+        pool: PagePool,
+        storage: StorageTier | None = None,
+        *,
+        write_policy: str = "write_through",
+        prefetch_policy: str = "best_effort",
+        prefetch_timeout: PrefetchTimeout | None = None,
+        max_write_queue: int = 1024,
+        write_batch_pages: int = 32,
+        fetch_batch_pages: int = 16,
+    ):
+        g = pool.geometry
+        if storage is not None and (
+            storage.identity.fingerprint != g.fingerprint or storage.identity.page_bytes != g.page_bytes
+        ):
+            raise ValueError(
+                f"storage tier is for geometry {storage.identity.fingerprint}, the pool's is {g.fingerprint}"
+            )
+        self.pool = pool
+        self.storage = storage if storage is not None else NullTier(TierIdentity.for_geometry(g, "none"))
+        self.write_policy = check_write_policy(write_policy)
+        self.prefetch_policy: PrefetchPolicy = check_prefetch_policy(prefetch_policy)
+        self.prefetch_timeout = prefetch_timeout or PrefetchTimeout()
+        if fetch_batch_pages < 1:
+            raise ValueError(f"fetch_batch_pages must be >= 1, got {fetch_batch_pages}")
+        self.fetch_batch_pages = fetch_batch_pages
+        self.index = HostIndex(pool.num_pages)
+        self._lock = threading.RLock()
+        self._pending: dict[bytes, object] = {}  # reserved key -> OFFLOAD, LOAD or its PrefetchHandle
+        self._queued: set[bytes] = set()  # keys referenced by a queued storage write
+        self._stored: set[bytes] = set()  # resident keys known to be in storage
+        self._hits: dict[bytes, int] = {}  # write_through_selective: uses of resident, unstored keys
+        self._n: dict[str, int] = dict.fromkeys(
+            ("host_hits host_misses storage_hits storage_misses writes_queued writes_done write_failures "
+             "writes_dropped prefetches prefetch_pages prefetch_failures").split(), 0
+        )  # fmt: skip
+        self._writer = StorageWriter(
+            self.storage, self._read_job, self._write_done, max_queue=max_write_queue, batch_pages=write_batch_pages
+        )
+        self._prefetch_queue: queue.Queue[tuple[PrefetchHandle, list[int]] | None] = queue.Queue()
+        self._active: dict[int, PrefetchHandle] = {}
+        self._next_id = 0
+        self._prefetcher = threading.Thread(target=self._prefetch_loop, name="hicache-prefetch", daemon=True)
+        self._prefetcher.start()
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return self.pool.geometry
+
+    # ---- offload: engine -> host ------------------------------------------------------------
+    def reserve(self, keys: Sequence[bytes], *, partial: bool = False) -> Reservation | None:
+        """Host pages for the keys not yet on host, evicting LRU pages (never these keys) if
+        needed; keys already on host become most recently used. None, with no page taken,
+        when there is no room (pinned/referenced pages fill the pool); with partial=True,
+        the earliest new keys that fit are reserved and the rest listed as refused."""
+        keys = check_keys(keys)
+        with self._lock:
+            existing = [(k, p) for k in keys if (p := self.index.page_of(k)) is not None]
+            pending = [k for k in keys if k in self._pending]
+            new = [k for k in keys if k not in self.index and k not in self._pending]
+            refused: list[bytes] = []
+            for k, _ in existing:  # held so that the allocation cannot evict them
+                self.index.ref(k)
+            try:
+                if partial:
+                    room = self.index.free_pages + self.index.evictable_pages
+                    new, refused = new[:room], new[room:]
+                got = self.index.allocate(len(new))
+            finally:
+                for k, _ in existing:  # back in the LRU order as most recently used
+                    self.index.unref(k)
+            if got is None:
+                return None
+            pages, evicted = got
+            for k in new:
+                self._pending[k] = OFFLOAD
+            writes = self._note_use([k for k, _ in existing])
+            backups = self._evicted_locked(evicted)
+        self._submit(writes + self._read_evicted(backups))
+        return Reservation(list(zip(new, pages, strict=True)), existing, pending, refused)
+
+    def commit(self, reservation: Reservation) -> None:
+        """The data of reservation.new is in its pages: make the keys resident and apply the
+        write policy. Raises ValueError if the reservation was already committed or aborted."""
+        with self._lock:
+            for k, _ in reservation.new:
+                if self._pending.get(k) != OFFLOAD:
+                    raise ValueError(f"key {k.hex()} is not reserved for an offload")
+            for k, page in reservation.new:
+                del self._pending[k]
+                self.index.bind(k, page)
+            keys = [k for k, _ in reservation.new]
+            if self.write_policy == "write_through":
+                writes = self._queue_locked(keys)
+            else:
+                writes = self._note_use(keys)
+        self._submit(writes)
+
+    def abort(self, reservation: Reservation) -> None:
+        """Give back the pages of a reservation whose copy failed."""
+        with self._lock:
+            for k, _ in reservation.new:
+                if self._pending.get(k) != OFFLOAD:
+                    raise ValueError(f"key {k.hex()} is not reserved for an offload")
+            for k, _ in reservation.new:
+                del self._pending[k]
+            self.index.release([p for _, p in reservation.new])
+
+    def put(self, keys: Sequence[bytes], pages_data: Sequence[Buffer]) -> bool:
+        """reserve + write_page + commit, for callers that hold page bytes. False if no room."""
+        if len(keys) != len(pages_data):
+            raise ValueError(f"{len(keys)} keys but {len(pages_data)} pages of data")
+        res = self.reserve(keys)
+        if res is None:
+            return False
+        data = dict(zip(keys, pages_data, strict=True))
+        try:
+            for k, page in res.new:
+                self.pool.write_page(page, data[k])
+        except BaseException:
+            self.abort(res)
+            raise
+        self.commit(res)
+        return True
+
+    # ---- queries and reload: host -> engine -------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> list[Tier]:
+        """For each key, where it is: "host", "storage" or "none". Changes nothing."""
+        keys = list(keys)
+        with self._lock:
+            where: list[Tier] = ["host" if k in self.index else "none" for k in keys]
+        rest = [i for i, w in enumerate(where) if w == "none"]
+        if rest and self.storage.enabled:
+            for i, present in zip(rest, self.storage.batch_contains([keys[i] for i in rest]), strict=True):
+                if present:
+                    where[i] = "storage"
+        return where
+
+    def load(self, keys: Sequence[bytes]) -> LoadResult:
+        """Reference the longest prefix of `keys` that is on host or can be fetched from
+        storage; keys only in storage are fetched into host first (source "storage").
+        Waits for in-flight prefetches of these keys. Call release(result.keys) after the
+        host -> device copy."""
+        keys = check_keys(keys)
+        with self._lock:
+            tasks = {id(t): t for k in keys if isinstance(t := self._pending.get(k), PrefetchHandle)}
+        for t in tasks.values():
+            t.wait()
+        with self._lock:
+            out: list[bytes] = []
+            for k in keys:
+                if k not in self.index:
+                    break
+                self.index.ref(k)
+                out.append(k)
+            pages = [self.index.page_of(k) for k in out]
+            writes = self._note_use(out)
+            self._n["host_hits"] += len(out)
+            self._n["host_misses"] += len(keys) - len(out)
+        self._submit(writes)
+        sources: list[Tier] = ["host"] * len(out)
+        rest = keys[len(out) :]
+        if rest and self.storage.enabled:
+            got = self._load_from_storage(rest)
+            out += [k for k, _ in got]
+            pages += [p for _, p in got]
+            sources += ["storage"] * len(got)
+        return LoadResult(out, [p for p in pages if p is not None], sources)
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        """Drop the references load() took. Raises KeyError/ValueError for keys not held."""
+        with self._lock:
+            for k in keys:
+                self.index.unref(k)
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Keep resident keys from eviction until unpin(). Raises KeyError if one is absent."""
+        with self._lock:
+            for k in keys:
+                self.index.pins(k)  # raises KeyError before anything is pinned
+            for k in keys:
+                self.index.pin(k)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self.index.unpin(k)
+
+    def evict(self, n: int) -> int:
+        """Evict up to n least recently used pages (write_back stores them first)."""
+        with self._lock:
+            evicted = self.index.evict(n)
+            backups = self._evicted_locked(evicted)
+            jobs = self._read_evicted(backups)  # under the lock: the freed pages are not reserved
+        self._submit(jobs)
+        return len(evicted)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop resident keys without storing them (invalidation); returns how many went."""
+        with self._lock:
+            n = 0
+            for k in keys:
+                if k in self.index and k not in self._queued:
+                    self.index.remove(k)
+                    self._forget(k)
+                    n += 1
+            return n
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued storage writes; False if `timeout` seconds pass first."""
+        return self._writer.flush(timeout)
+
+    # ---- status -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Host pages/bytes, hits and misses per tier, write queue depth, failures, and the
+        storage tier's own stats under "storage"."""
+        storage = self.storage.stats()
+        with self._lock:
+            used = len(self.index)
+            out: dict[str, Any] = {
+                "host_pages": self.index.num_pages,
+                "host_used_pages": used,
+                "host_free_pages": self.index.free_pages,
+                "host_bytes": used * self.geometry.page_bytes,
+                "write_policy": self.write_policy,
+                "prefetch_policy": self.prefetch_policy,
+                "write_queue_depth": self._writer.depth,
+                "writer_errors": self._writer.errors,
+                "prefetches_active": len(self._active),
+                **self._n,
+            }
+        out["storage_healthy"] = storage.healthy
+        out["storage"] = storage.to_dict()
+        return out
+
+    def check_integrity(self) -> None:
+        """Assert the index is consistent, every reserved page has a pending key, every
+        queued write holds a reference, and the metadata names only resident keys."""
+        with self._lock:
+            self.index.check_integrity()
+            reserved = self.index.num_pages - self.index.free_pages - len(self.index)
+            assert reserved == len(self._pending), (reserved, len(self._pending))
+            assert all(k not in self.index for k in self._pending)
+            for k in self._queued:
+                assert self.index.refs(k) >= 1, k.hex()
+            assert all(k in self.index for k in self._stored)
+            assert all(k in self.index for k in self._hits)
+        check = getattr(self.pool, "check_integrity", None)
+        if check is not None:
+            check()
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Cancel prefetches, write what is queued (up to `timeout` s), stop the threads.
+        The storage tier stays open: it belongs to the caller."""
+        with self._lock:
+            for h in self._active.values():
+                h.cancel()
+        self._prefetch_queue.put(None)
+        self._prefetcher.join(timeout)
+        self._writer.close(timeout)

@@ -1,0 +1,103 @@
+"""Write policies of HierarchicalCache: which host pages go to storage, and when.
+
+A mixin of HierarchicalCache (tiering.py). Methods ending in _locked, and _note_use and
+_forget, run with the cache lock held; _submit and _read_evicted run without it.
+- write_through: commit() queues every newly offloaded key.
+- write_through_selective: _note_use() counts uses (offload, re-offload, load from host)
+  and queues a key at its SELECTIVE_HITS-th use.
+- write_back: _evicted_locked() picks evicted keys not known to be stored; their bytes are
+  read before the page is handed out again.
+A queued key holds a reference on its host page until the writer reports it (_write_done),
+so the page cannot be evicted or reused while it waits.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from hicache.cache.index import HostIndex
+from hicache.cache.policies import SELECTIVE_HITS, WritePolicy
+from hicache.cache.writer import StorageWriter, WriteJob
+from hicache.storage.base import Buffer, StorageTier
+
+
+class WritePolicyMixin:
+    # provided by HierarchicalCache
+    pool: Any
+    storage: StorageTier
+    index: HostIndex
+    write_policy: WritePolicy
+    _lock: threading.RLock
+    _writer: StorageWriter
+    _queued: set[bytes]
+    _stored: set[bytes]
+    _hits: dict[bytes, int]
+    _n: dict[str, int]
+
+    def _note_use(self, keys: list[bytes]) -> list[WriteJob]:
+        if self.write_policy != "write_through_selective":
+            return []
+        hot = []
+        for k in keys:
+            if k in self._stored or k in self._queued:
+                continue
+            self._hits[k] = self._hits.get(k, 0) + 1
+            if self._hits[k] >= SELECTIVE_HITS:
+                hot.append(k)
+        return self._queue_locked(hot)
+
+    def _queue_locked(self, keys: list[bytes]) -> list[WriteJob]:
+        if not self.storage.enabled:
+            return []
+        jobs = []
+        for k in keys:
+            if k in self._stored or k in self._queued:
+                continue
+            jobs.append(WriteJob(k, self.index.ref(k)))
+            self._queued.add(k)
+            self._hits.pop(k, None)
+        return jobs
+
+    def _evicted_locked(self, evicted: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        backups = []
+        for k, page in evicted:
+            if self.write_policy == "write_back" and self.storage.enabled and k not in self._stored:
+                backups.append((k, page))
+            self._forget(k)
+        return backups
+
+    def _forget(self, key: bytes) -> None:
+        self._stored.discard(key)
+        self._hits.pop(key, None)
+
+    def _read_evicted(self, backups: list[tuple[bytes, int]]) -> list[WriteJob]:
+        return [WriteJob(k, None, self._page_bytes(p)) for k, p in backups]
+
+    def _page_bytes(self, page: int) -> Buffer:
+        data = self.pool.read_page(page)  # a fresh uint8 tensor: .numpy() shares its memory
+        return memoryview(data.numpy()) if hasattr(data, "numpy") else memoryview(data)
+
+    def _submit(self, jobs: list[WriteJob]) -> None:
+        if not jobs:
+            return
+        rejected = self._writer.submit(jobs)
+        with self._lock:
+            self._n["writes_queued"] += len(jobs) - len(rejected)
+            self._n["writes_dropped"] += len(rejected)
+        self._write_done(rejected, [False] * len(rejected), counted=True)
+
+    def _read_job(self, job: WriteJob) -> Buffer | None:
+        return None if job.page is None else self._page_bytes(job.page)
+
+    def _write_done(self, jobs: list[WriteJob], ok: list[bool], counted: bool = False) -> None:
+        with self._lock:
+            for job, good in zip(jobs, ok, strict=True):
+                if job.page is not None and job.key in self._queued:  # a page held since queueing
+                    self._queued.discard(job.key)
+                    self.index.unref(job.key)
+                if good and job.key in self.index:
+                    self._stored.add(job.key)
+            if not counted:
+                self._n["writes_done"] += sum(ok)
+                self._n["write_failures"] += len(ok) - sum(ok)

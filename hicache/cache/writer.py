@@ -1,0 +1,142 @@
+"""StorageWriter: a background thread that writes pages to a storage tier in batches.
+
+submit() never blocks: it queues what fits under max_queue and hands back the rest, so an
+offload reply never waits on storage. The thread takes up to batch_pages jobs at a time,
+gets each job's bytes (given, or read from the host page by the `read` callback, outside
+any cache lock), calls tier.batch_set once, and reports per-job success to `done`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hicache.storage.base import Buffer, StorageTier
+
+
+@dataclass
+class WriteJob:
+    """One page to store: its bytes now (`data`), or a host page to read when written."""
+
+    key: bytes
+    page: int | None = None
+    data: Buffer | None = None
+
+
+class StorageWriter:
+    """Writes WriteJobs to `tier` on one daemon thread. Thread-safe.
+
+    `read(job)` returns the bytes of a job without data (or None to skip it); `done(jobs,
+    ok)` is called after each batch with one bool per job (False for skipped or failed).
+    Raises ValueError for max_queue or batch_pages < 1.
+    """
+
+    def __init__(
+        self,
+        tier: StorageTier,
+        read: Callable[[WriteJob], Buffer | None],
+        done: Callable[[list[WriteJob], list[bool]], None],
+        *,
+        max_queue: int = 1024,
+        batch_pages: int = 32,
+        name: str = "hicache-storage-writer",
+    ):
+        if max_queue < 1 or batch_pages < 1:
+            raise ValueError(f"max_queue and batch_pages must be >= 1, got {max_queue} and {batch_pages}")
+        self.tier, self._read, self._done = tier, read, done
+        self.max_queue, self.batch_pages = max_queue, batch_pages
+        self._cond = threading.Condition()  # guards _queue, _busy, _closed
+        self._queue: deque[WriteJob] = deque()
+        self._busy = 0  # jobs taken off the queue and not yet reported
+        self._closed = False
+        self.errors = 0  # exceptions from `read` or the tier, turned into failed jobs
+        self.last_error = ""
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Jobs queued or being written."""
+        with self._cond:
+            return len(self._queue) + self._busy
+
+    def submit(self, jobs: Sequence[WriteJob]) -> list[WriteJob]:
+        """Queue as many jobs as fit; return the ones that did not (the caller drops them)."""
+        with self._cond:
+            if self._closed:
+                return list(jobs)
+            room = max(0, self.max_queue - len(self._queue) - self._busy)
+            self._queue.extend(jobs[:room])
+            self._cond.notify()
+        return list(jobs[room:])
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued job is written; False if `timeout` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Write what is queued (up to `timeout` seconds), then stop the thread."""
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        if dropped:
+            self._done(dropped, [False] * len(dropped))
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._queue:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(self.batch_pages, len(self._queue)))]
+                self._busy += len(batch)
+            ok = self._write(batch)
+            try:
+                self._done(batch, ok)
+            finally:
+                with self._cond:
+                    self._busy -= len(batch)
+                    self._cond.notify_all()
+
+    def _write(self, batch: list[WriteJob]) -> list[bool]:
+        ok = [False] * len(batch)
+        items: list[tuple[bytes, Buffer]] = []
+        where: list[int] = []
+        for i, job in enumerate(batch):
+            try:
+                data = job.data if job.data is not None else self._read(job)
+            except Exception as e:  # a read must not kill the thread; the job just fails
+                self._note(e)
+                data = None
+            if data is not None:
+                items.append((job.key, data))
+                where.append(i)
+        if items:
+            try:
+                results = self.tier.batch_set(items)
+            except Exception as e:  # tiers count their own failures; never let one stop writing
+                self._note(e)
+                results = [False] * len(items)
+            for i, r in zip(where, results, strict=True):
+                ok[i] = r
+        return ok
+
+    def _note(self, e: Exception) -> None:
+        with self._cond:
+            self.errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"

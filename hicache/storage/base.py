@@ -1,0 +1,187 @@
+"""The storage tier interface: flat page bytes under page keys, below the host pool.
+
+A tier stores pages of one identity: a geometry (fingerprint and page_bytes), a model
+(name + revision) and a namespace (tenant). Every stored key is qualified by all three,
+and every stored page carries them in its header (see page_format), so a page of another
+geometry, model or tenant is never a hit. Tiers are thread-safe.
+
+Failure policy: a tier never raises for a storage-side problem (disk full, Redis down,
+a corrupt page). Reads become misses, writes return False, and the event is counted in
+stats(). Caller mistakes (a malformed key, a payload of the wrong size) raise ValueError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from hicache.geometry import KVGeometry
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class TierIdentity:
+    """Who a stored page belongs to. Raises ValueError for a bad field."""
+
+    fingerprint: str  # KVGeometry.fingerprint: 16 hex digits
+    page_bytes: int  # KVGeometry.page_bytes: every payload is exactly this long
+    model_id: str  # model name + revision, e.g. "deepseek-ai/DeepSeek-V3@main"
+    namespace: str = ""  # tenant / cache salt
+    model_hash: bytes = field(init=False, repr=False)
+    namespace_hash: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            ok = isinstance(self.fingerprint, str) and len(bytes.fromhex(self.fingerprint)) == 8
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"fingerprint must be 16 hex digits, got {self.fingerprint!r}")
+        if isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int) or self.page_bytes < 1:
+            raise ValueError(f"page_bytes must be an int >= 1, got {self.page_bytes!r}")
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise ValueError(f"model_id must be a non-empty str (name + revision), got {self.model_id!r}")
+        if not isinstance(self.namespace, str):
+            raise ValueError(f"namespace must be a str, got {self.namespace!r}")
+        object.__setattr__(self, "model_hash", hashlib.sha256(self.model_id.encode()).digest()[:8])
+        object.__setattr__(self, "namespace_hash", hashlib.sha256(self.namespace.encode()).digest()[:8])
+
+    @classmethod
+    def for_geometry(cls, geometry: KVGeometry, model_id: str, namespace: str = "") -> TierIdentity:
+        return cls(geometry.fingerprint, geometry.page_bytes, model_id, namespace)
+
+    @property
+    def fingerprint_bytes(self) -> bytes:
+        return bytes.fromhex(self.fingerprint)
+
+    @property
+    def qualifier(self) -> str:
+        """ "<namespace hash>-<fingerprint>-<model hash>": the prefix of every stored key."""
+        return f"{self.namespace_hash.hex()}-{self.fingerprint}-{self.model_hash.hex()}"
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier. `pages`/`bytes` are None when the backend cannot tell cheaply."""
+
+    backend: str = ""
+    healthy: bool = True
+    pages: int | None = None
+    bytes: int | None = None
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    write_failures: int = 0  # includes no_space
+    no_space: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    corrupt: int = 0  # failed magic/length/checksum: deleted, served as a miss
+    foreign: int = 0  # another geometry/model/namespace/key: deleted, served as a miss
+    evictions: int = 0
+    deletes: int = 0
+    errors: int = 0  # backend errors (I/O, connection, timeout)
+    last_error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TierHealth:
+    healthy: bool
+    detail: str = ""
+
+
+class StorageTier(ABC):
+    """Pages of one TierIdentity, keyed by page keys (bytes of length 1..64).
+
+    Subclasses implement the single-key methods and may override the batch ones.
+    """
+
+    backend = "abstract"
+    enabled = True  # False for the null tier: nothing is ever stored
+
+    def __init__(self, identity: TierIdentity):
+        self.identity = identity
+        self._stats_lock = threading.Lock()
+        self._counters = TierStats(backend=self.backend)
+
+    # ---- the interface -----------------------------------------------------------------------
+    @abstractmethod
+    def contains(self, key: bytes) -> bool:
+        """Whether a page for `key` is (believed) stored; a later get() may still miss."""
+
+    @abstractmethod
+    def get(self, key: bytes) -> memoryview | None:
+        """The payload (identity.page_bytes) stored under `key`, or None for a miss. A page
+        that fails verification is deleted, counted, and returned as None."""
+
+    @abstractmethod
+    def set(self, key: bytes, data: Buffer) -> bool:
+        """Store `data` under `key`; True once acknowledged (readable, and on the file tier
+        durable). False on a storage failure or no space. Raises ValueError if `data` is
+        not identity.page_bytes long or the key is malformed."""
+
+    @abstractmethod
+    def delete(self, key: bytes) -> bool:
+        """Remove `key`; True if something was removed."""
+
+    @abstractmethod
+    def health(self) -> TierHealth:
+        """Whether the tier can serve now (the Redis tier probes a down server here)."""
+
+    def close(self) -> None:  # noqa: B027 - optional for a tier
+        """Release resources. The tier is unusable afterwards."""
+
+    def check_integrity(self) -> None:  # noqa: B027 - optional for a tier
+        """Assert internal invariants (tests call this)."""
+
+    # ---- batch forms (override for round-trip savings) ---------------------------------------
+    def exists(self, key: bytes) -> bool:
+        return self.contains(key)
+
+    def batch_contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """contains() for each key."""
+        return [self.contains(k) for k in keys]
+
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        """Length of the longest prefix of `keys` that is stored."""
+        n = 0
+        for present in self.batch_contains(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    def batch_get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        return [self.get(k) for k in keys]
+
+    def batch_set(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        return [self.set(k, d) for k, d in items]
+
+    def stats(self) -> TierStats:
+        """A snapshot of the counters (a copy)."""
+        with self._stats_lock:
+            snap = TierStats(**{f.name: getattr(self._counters, f.name) for f in fields(TierStats)})
+        snap.healthy = self.health().healthy
+        self._fill_stats(snap)
+        return snap
+
+    # ---- helpers for subclasses -------------------------------------------------------------
+    def _fill_stats(self, snap: TierStats) -> None:  # noqa: B027 - optional for a tier
+        """Set backend-specific fields (pages, bytes) on a snapshot."""
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._counters, name, getattr(self._counters, name) + delta)
+
+    def _error(self, message: str) -> None:
+        with self._stats_lock:
+            self._counters.errors += 1
+            self._counters.last_error = message

@@ -1,0 +1,271 @@
+"""The file tier: one file per page in a local directory, with a size cap and LRU eviction.
+
+Layout: <dir>/<identity qualifier>/<first 2 hex digits of key>/<key hex>.page, each file a
+page in page_format. A write goes to a temporary file in the same folder, is fsynced
+(unless fsync=False), then renamed over the final name, and the folder is fsynced: a page
+is acknowledged only once it is complete and durable, and a crash leaves at most a
+temporary file, which the next start deletes. The index (key -> size, in LRU order) lives
+in memory and is rebuilt by scanning the folder on start, oldest modification first; a
+read refreshes a file's modification time so the order survives restarts.
+
+One process owns one (dir, identity) folder; machines share pages through Redis instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from hicache.storage import page_format as fmt
+from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity, TierStats
+
+PAGE_SUFFIX = ".page"
+TMP_SUFFIX = ".tmp"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class FileTier(StorageTier):
+    """Pages of `identity` under `directory`, at most `max_bytes` of page files (None: no cap).
+
+    Raises ValueError for a bad max_bytes, OSError if the folder cannot be created.
+    """
+
+    backend = "file"
+
+    def __init__(
+        self,
+        identity: TierIdentity,
+        directory: str | os.PathLike[str],
+        *,
+        max_bytes: int | None = None,
+        fsync: bool = True,
+    ):
+        super().__init__(identity)
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"max_bytes must be an int >= 1 or None, got {max_bytes!r}")
+        self.root = Path(directory) / identity.qualifier
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        self._lock = threading.Lock()  # guards _index and _total; held for index changes and unlinks
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recent first
+        self._total = 0
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    # ---- paths and scanning -----------------------------------------------------------------
+    def path_of(self, key: bytes) -> Path:
+        """The page file of `key` (it may not exist)."""
+        h = key.hex()
+        return self.root / h[:2] / (h + PAGE_SUFFIX)
+
+    def _scan(self) -> None:
+        found: list[tuple[int, bytes, int]] = []
+        for sub in self.root.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                if entry.name.endswith(TMP_SUFFIX):  # a write that was never acknowledged
+                    _unlink(entry.path)
+                    continue
+                if not entry.name.endswith(PAGE_SUFFIX):
+                    continue
+                try:
+                    key = bytes.fromhex(entry.name[: -len(PAGE_SUFFIX)])
+                    st = entry.stat()
+                except (ValueError, OSError):
+                    continue
+                if not key or len(key) > fmt.MAX_KEY_BYTES or st.st_size != fmt.stored_size(self.identity, key):
+                    _unlink(entry.path)
+                    self._count(corrupt=1)
+                    continue
+                found.append((st.st_mtime_ns, key, st.st_size))
+        found.sort()
+        with self._lock:
+            for _, key, size in found:
+                self._index[key] = size
+                self._total += size
+            self._evict_locked(keep=None)
+
+    # ---- reads --------------------------------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        fmt.check_key(key)
+        with self._lock:
+            return key in self._index
+
+    def batch_contains(self, keys: Sequence[bytes]) -> list[bool]:
+        for key in keys:
+            fmt.check_key(key)
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def get(self, key: bytes) -> memoryview | None:
+        fmt.check_key(key)
+        with self._lock:
+            known = key in self._index
+        if not known:
+            self._count(misses=1)
+            return None
+        path = self.path_of(key)
+        try:
+            with open(path, "rb") as f:
+                buf = bytearray(os.fstat(f.fileno()).st_size)
+                got = f.readinto(buf)
+            os.utime(path)
+        except FileNotFoundError:  # evicted or deleted meanwhile
+            self._forget(key)
+            self._count(misses=1)
+            return None
+        except OSError as e:
+            self._error(f"read {path}: {e}")
+            self._count(misses=1)
+            return None
+        try:
+            payload = fmt.decode_page(self.identity, key, memoryview(buf)[:got])
+        except fmt.PageError as e:
+            self.delete(key, count=False)
+            self._count(misses=1, **{e.reason: 1})
+            return None
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        self._count(hits=1, bytes_read=payload.nbytes)
+        return payload
+
+    # ---- writes -------------------------------------------------------------------------------
+    def set(self, key: bytes, data: Buffer) -> bool:
+        return self.batch_set([(key, data)])[0]
+
+    def batch_set(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        headers = [fmt.encode_header(self.identity, key, data) for key, data in items]  # validates all first
+        if self.max_bytes is not None and items and fmt.stored_size(self.identity, items[0][0]) > self.max_bytes:
+            self._count(write_failures=len(items), no_space=len(items))
+            return [False] * len(items)
+        written: list[tuple[int, Path, Path]] = []  # (item index, tmp, final)
+        ok = [False] * len(items)
+        for i, ((key, data), header) in enumerate(zip(items, headers, strict=True)):
+            final = self.path_of(key)
+            tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+            if self._write_tmp(tmp, header, data):
+                written.append((i, tmp, final))
+        dirs: set[Path] = set()
+        for i, tmp, final in written:
+            try:
+                os.replace(tmp, final)
+            except OSError as e:
+                _unlink(tmp)
+                self._failed(e, f"rename {tmp}")
+                continue
+            dirs.add(final.parent)
+            ok[i] = True
+        if self.fsync:
+            for d in dirs:
+                self._fsync_dir(d)
+        with self._lock:
+            for i, _, _ in written:
+                if ok[i]:
+                    key = items[i][0]
+                    size = fmt.stored_size(self.identity, key)
+                    self._total += size - self._index.pop(key, 0)
+                    self._index[key] = size
+            for i, _, _ in written:
+                if ok[i]:
+                    self._evict_locked(keep=items[i][0])
+        n_ok = sum(ok)
+        self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes)
+        return ok
+
+    def _write_tmp(self, tmp: Path, header: bytes, data: Buffer) -> bool:
+        try:
+            tmp.parent.mkdir(exist_ok=True)
+            write_file(tmp, [header, data], self.fsync)
+            return True
+        except OSError as e:
+            _unlink(tmp)
+            self._failed(e, f"write {tmp}")
+            return False
+
+    def _failed(self, e: OSError, what: str) -> None:
+        self._count(write_failures=1, no_space=int(e.errno in _NO_SPACE))
+        self._error(f"{what}: {e}")
+
+    def _fsync_dir(self, d: Path) -> None:
+        try:
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self._error(f"fsync {d}: {e}")
+
+    # ---- removal and eviction -----------------------------------------------------------------
+    def delete(self, key: bytes, *, count: bool = True) -> bool:
+        fmt.check_key(key)
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._total -= size
+            removed = _unlink(self.path_of(key))
+        if count and (removed or size is not None):
+            self._count(deletes=1)
+        return removed or size is not None
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._total -= size
+
+    def _evict_locked(self, keep: bytes | None) -> None:
+        if self.max_bytes is None:
+            return
+        while self._total > self.max_bytes and self._index:
+            key, size = next(iter(self._index.items()))
+            if key == keep:
+                if len(self._index) == 1:
+                    break
+                self._index.move_to_end(key)
+                continue
+            del self._index[key]
+            self._total -= size
+            _unlink(self.path_of(key))
+            self._count(evictions=1)
+
+    # ---- status -------------------------------------------------------------------------------
+    def health(self) -> TierHealth:
+        ok = os.access(self.root, os.W_OK)
+        return TierHealth(ok, "" if ok else f"{self.root} is not writable")
+
+    def _fill_stats(self, snap: TierStats) -> None:
+        with self._lock:
+            snap.pages, snap.bytes = len(self._index), self._total
+
+    def check_integrity(self) -> None:
+        """Assert the index's sizes add up, the cap holds, and every indexed file exists."""
+        with self._lock:
+            assert self._total == sum(self._index.values()), (self._total, sum(self._index.values()))
+            assert self.max_bytes is None or self._total <= self.max_bytes or len(self._index) <= 1
+            for key, size in self._index.items():
+                assert self.path_of(key).stat().st_size == size, key.hex()
+
+
+def write_file(path: Path, parts: list[Buffer], fsync: bool) -> None:
+    """Create `path` holding the concatenated parts; fsync it if asked. Raises OSError."""
+    with open(path, "wb") as f:
+        for part in parts:
+            f.write(part)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def _unlink(path: str | os.PathLike[str]) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,154 @@
+"""The stored page format: a fixed header, the key, then the flat page payload.
+
+    offset  size  field
+    0       4     magic b"HKVP"
+    4       2     format version (1)
+    6       1     checksum algorithm (1 = xxh3_64, 2 = crc32)
+    7       1     key length K (1..MAX_KEY_BYTES)
+    8       8     geometry fingerprint (KVGeometry.fingerprint's 16 hex digits as 8 bytes)
+    16      8     model identity hash (first 8 bytes of sha256(model id))
+    24      8     namespace hash (first 8 bytes of sha256(namespace))
+    32      8     payload length P (little-endian u64)
+    40      8     checksum over bytes [0, 40) + key + payload (little-endian u64)
+    48      K     key
+    48 + K  P     payload: one canonical flat page (KVGeometry.page_bytes)
+
+The checksum is XXH3-64 when the `xxhash` package is installed, else zlib.crc32; the
+algorithm byte records which, so a reader verifies with the writer's algorithm. A page
+that fails any check raises PageError and is never served.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Callable
+from typing import Literal
+
+from hicache.storage.base import Buffer, TierIdentity
+
+MAGIC = b"HKVP"
+VERSION = 1
+MAX_KEY_BYTES = 64
+XXH3_64 = 1
+CRC32 = 2
+_FIXED = struct.Struct("<4sHBB8s8s8sQ")  # everything before the checksum: 40 bytes
+_CHECKSUM = struct.Struct("<Q")
+HEADER_BYTES = _FIXED.size + _CHECKSUM.size  # 48, before the key
+
+Reason = Literal["corrupt", "foreign"]
+
+
+class PageError(ValueError):
+    """A stored page that must not be served. `reason` is "corrupt" (bad magic, version,
+    length or checksum: torn or damaged bytes) or "foreign" (intact, but written for
+    another geometry, model, namespace or key)."""
+
+    def __init__(self, reason: Reason, detail: str):
+        super().__init__(f"{reason} page: {detail}")
+        self.reason: Reason = reason
+
+
+def _checksummer(algorithm: int) -> Callable[[list[Buffer]], int] | None:
+    if algorithm == XXH3_64:
+        try:
+            import xxhash
+        except ImportError:
+            return None
+
+        def xxh(parts: list[Buffer]) -> int:
+            h = xxhash.xxh3_64()
+            for p in parts:
+                h.update(p)
+            return int(h.intdigest())
+
+        return xxh
+    if algorithm == CRC32:
+
+        def crc(parts: list[Buffer]) -> int:
+            value = 0
+            for p in parts:
+                value = zlib.crc32(p, value)
+            return value
+
+        return crc
+    return None
+
+
+def default_algorithm() -> int:
+    """XXH3_64 when xxhash is importable, else CRC32."""
+    return XXH3_64 if _checksummer(XXH3_64) is not None else CRC32
+
+
+def check_key(key: bytes) -> None:
+    """Raise ValueError unless `key` is bytes of length 1..MAX_KEY_BYTES."""
+    if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"a page key must be 1..{MAX_KEY_BYTES} bytes, got {key!r}")
+
+
+def stored_size(identity: TierIdentity, key: bytes) -> int:
+    """Bytes of one stored page of `identity` under `key`: header + key + payload."""
+    return HEADER_BYTES + len(key) + identity.page_bytes
+
+
+def encode_header(identity: TierIdentity, key: bytes, payload: Buffer, algorithm: int | None = None) -> bytes:
+    """The header + key to store in front of `payload` (written as-is after it).
+
+    Raises ValueError for a bad key or a payload that is not identity.page_bytes long.
+    """
+    check_key(key)
+    size = memoryview(payload).nbytes
+    if size != identity.page_bytes:
+        raise ValueError(f"page payload must be {identity.page_bytes} bytes for this geometry, got {size}")
+    algorithm = default_algorithm() if algorithm is None else algorithm
+    summer = _checksummer(algorithm)
+    if summer is None:
+        raise ValueError(f"checksum algorithm {algorithm} is unknown or not installed")
+    fixed = _FIXED.pack(
+        MAGIC,
+        VERSION,
+        algorithm,
+        len(key),
+        identity.fingerprint_bytes,
+        identity.model_hash,
+        identity.namespace_hash,
+        size,
+    )
+    return fixed + _CHECKSUM.pack(summer([fixed, key, payload])) + key
+
+
+def encode_page(identity: TierIdentity, key: bytes, payload: Buffer) -> bytes:
+    """Header + key + payload as one bytes object (one copy of the payload)."""
+    return encode_header(identity, key, payload) + bytes(payload)
+
+
+def decode_page(identity: TierIdentity, key: bytes, blob: Buffer) -> memoryview:
+    """Verify a stored page and return a view of its payload (no copy).
+
+    Raises PageError("corrupt") for wrong magic, version, lengths, or checksum (or a
+    checksum algorithm this process lacks), and PageError("foreign") for an intact page
+    of another geometry, model, namespace or key.
+    """
+    view = memoryview(blob).cast("B")
+    if view.nbytes < HEADER_BYTES:
+        raise PageError("corrupt", f"{view.nbytes} bytes is shorter than the {HEADER_BYTES}-byte header")
+    magic, version, algorithm, key_len, fp, model, ns, size = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC or version != VERSION:
+        raise PageError("corrupt", f"magic {magic!r} version {version}")
+    if view.nbytes != HEADER_BYTES + key_len + size:
+        raise PageError("corrupt", f"{view.nbytes} bytes, header says {HEADER_BYTES + key_len + size}")
+    summer = _checksummer(algorithm)
+    if summer is None:
+        raise PageError("corrupt", f"checksum algorithm {algorithm} is unknown or not installed")
+    (expected,) = _CHECKSUM.unpack_from(view, _FIXED.size)
+    stored_key = view[HEADER_BYTES : HEADER_BYTES + key_len]
+    payload = view[HEADER_BYTES + key_len :]
+    if summer([view[: _FIXED.size], stored_key, payload]) != expected:
+        raise PageError("corrupt", "checksum mismatch")
+    if fp != identity.fingerprint_bytes or size != identity.page_bytes:
+        raise PageError("foreign", f"geometry {fp.hex()}, expected {identity.fingerprint}")
+    if model != identity.model_hash or ns != identity.namespace_hash:
+        raise PageError("foreign", "another model or namespace")
+    if bytes(stored_key) != key:
+        raise PageError("foreign", f"key {bytes(stored_key).hex()}, expected {key.hex()}")
+    return payload

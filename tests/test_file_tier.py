@@ -1,0 +1,120 @@
+import errno
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, identity, key, payload
+
+from hicache.storage import page_format as fmt
+from hicache.storage.file import FileTier
+
+WRITER = """
+import sys
+sys.path[:0] = [{tests!r}]
+from tier_helpers import GEOMETRIES, identity, key, payload
+from hicache.storage.file import FileTier
+g = GEOMETRIES[{name!r}]
+tier = FileTier(identity(g), {dir!r}, fsync=False)  # SIGKILL keeps the page cache
+i = 0
+while True:
+    assert tier.set(key(i), payload(g, i))
+    print(i, flush=True)  # acknowledged
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_sigkill_mid_write_then_restart_serves_every_acknowledged_page(tmp_path, name):
+    g = GEOMETRIES[name]
+    script = WRITER.format(tests=str(Path(__file__).parent), name=name, dir=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    acked = []
+    for line in proc.stdout:
+        acked.append(int(line))
+        if len(acked) == 40:
+            break
+    proc.send_signal(signal.SIGKILL)  # most likely in the middle of the next write
+    proc.wait()
+    tier = FileTier(identity(g), tmp_path)  # a restart: rescans the folder
+    tier.check_integrity()
+    assert not list(tier.root.rglob("*.tmp")), "temporary files of unacknowledged writes are cleaned up"
+    for i in acked:
+        assert bytes(tier.get(key(i))) == payload(g, i)
+    stored = tier.stats().pages or 0
+    assert stored >= len(acked)
+    for i in range(stored + 2):  # a page written but not yet acknowledged is exact or absent
+        got = tier.get(key(i))
+        assert got is None or bytes(got) == payload(g, i)
+    assert tier.stats().corrupt == 0
+
+
+def test_torn_and_corrupt_files_are_misses_deleted_and_counted(tmp_path):
+    g = GEOMETRIES["mimo_kv"]
+    tier = FileTier(identity(g), tmp_path)
+    for i in range(3):
+        assert tier.set(key(i), payload(g, i))
+    # a flipped byte in the payload: a miss, deleted, counted
+    p0 = tier.path_of(key(0))
+    data = bytearray(p0.read_bytes())
+    data[-7] ^= 0x40
+    p0.write_bytes(data)
+    assert tier.get(key(0)) is None and not p0.exists()
+    # a page of another key moved into place (same size): foreign
+    tier.path_of(key(1)).replace(tier.path_of(key(2)))
+    assert tier.get(key(2)) is None
+    s = tier.stats()
+    assert (s.corrupt, s.foreign, s.hits) == (1, 1, 0)
+    # a torn file (power loss without fsync) is dropped by the scan on restart
+    assert tier.set(key(5), payload(g, 5))
+    p5 = tier.path_of(key(5))
+    p5.write_bytes(p5.read_bytes()[:100])
+    (p5.parent / ".junk.tmp").write_bytes(b"x")
+    again = FileTier(identity(g), tmp_path)
+    again.check_integrity()
+    assert again.get(key(5)) is None and not p5.exists() and again.stats().corrupt == 1
+    assert not (p5.parent / ".junk.tmp").exists()
+
+
+def test_size_cap_lru_and_order_survives_restart(tmp_path):
+    g = GEOMETRIES["deepseek_mla"]
+    size = fmt.stored_size(identity(g), key(0))
+    tier = FileTier(identity(g), tmp_path, max_bytes=3 * size)
+    for i in range(3):
+        assert tier.set(key(i), payload(g, i))
+    assert tier.get(key(0)) is not None  # 0 is now the most recent: 1 is the oldest
+    assert tier.set(key(3), payload(g, 3))
+    assert tier.batch_contains([key(i) for i in range(4)]) == [True, False, True, True]
+    assert tier.stats().evictions == 1 and tier.stats().bytes == 3 * size
+    tier.check_integrity()
+    # restart: LRU order from modification times (a read refreshes it): 2, 0, 3
+    os.utime(tier.path_of(key(2)), ns=(1, 1))
+    again = FileTier(identity(g), tmp_path, max_bytes=3 * size)
+    assert again.set(key(4), payload(g, 4))
+    assert again.batch_contains([key(i) for i in range(5)]) == [True, False, False, True, True]
+    again.check_integrity()
+    tiny = FileTier(identity(g), tmp_path / "tiny", max_bytes=size - 1)  # a page never fits
+    assert tiny.set(key(1), payload(g, 1)) is False and tiny.stats().no_space == 1
+
+
+def test_disk_full_fails_cleanly_and_is_counted(tmp_path, monkeypatch):
+    g = GEOMETRIES["mimo_fp4"]
+    tier = FileTier(identity(g), tmp_path)
+    assert tier.set(key(0), payload(g, 0))
+    real = __import__("hicache.storage.file", fromlist=["write_file"]).write_file
+
+    def full(path, parts, fsync):
+        real(path, parts[:1], fsync)  # a partial temp file, then the disk fills up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("hicache.storage.file.write_file", full)
+    assert tier.batch_set([(key(1), payload(g, 1)), (key(2), payload(g, 2))]) == [False, False]
+    s = tier.stats()
+    assert (s.writes, s.write_failures, s.no_space) == (1, 2, 2) and "No space" in s.last_error
+    assert not list(tier.root.rglob("*.tmp")) and not tier.exists(key(1))
+    monkeypatch.undo()
+    assert tier.set(key(1), payload(g, 1)) and bytes(tier.get(key(0))) == payload(g, 0)
+    tier.check_integrity()

@@ -1,0 +1,55 @@
+import pytest
+from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, identity, key, payload
+
+from hicache.geometry import KVGeometry
+from hicache.storage import PageError
+from hicache.storage import page_format as fmt
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+@pytest.mark.parametrize("algorithm", [fmt.XXH3_64, fmt.CRC32])
+def test_roundtrip_and_every_flipped_byte_region_is_corrupt(name, algorithm):
+    g = GEOMETRIES[name]
+    ident, data = identity(g), payload(g, 1)
+    blob = fmt.encode_header(ident, key(1), data, algorithm) + data
+    assert len(blob) == fmt.stored_size(ident, key(1))
+    assert bytes(fmt.decode_page(ident, key(1), blob)) == data
+    # one byte in each region: magic, version, algorithm, key length, fingerprint, model,
+    # namespace, payload length, checksum, key, first and last payload byte
+    for pos in (0, 4, 6, 7, 8, 16, 24, 32, 40, 48, 48 + 32, len(blob) - 1):
+        bad = bytearray(blob)
+        bad[pos] ^= 0x01
+        with pytest.raises(PageError) as err:
+            fmt.decode_page(ident, key(1), bytes(bad))
+        assert err.value.reason == "corrupt", pos
+    for cut in (0, 10, fmt.HEADER_BYTES, len(blob) - 1):
+        with pytest.raises(PageError, match="corrupt"):
+            fmt.decode_page(ident, key(1), blob[:cut])
+
+
+def test_foreign_geometry_model_namespace_key():
+    g = GEOMETRIES["mimo_kv"]
+    data = payload(g, 2)
+    blob = fmt.encode_page(identity(g), key(1), data)
+    other_g = KVGeometry(**dict(g.to_dict(), layer_ids=[1, 2]))  # same size, other layers
+    assert other_g.page_bytes == g.page_bytes and other_g.fingerprint != g.fingerprint
+    others = [identity(g, namespace="tenant-b"), identity(g, model="test-model@rev2"), identity(other_g)]
+    for other in others:
+        with pytest.raises(PageError) as err:
+            fmt.decode_page(other, key(1), blob)
+        assert err.value.reason == "foreign"
+    with pytest.raises(PageError, match="foreign page: key"):
+        fmt.decode_page(identity(g), key(2), blob)
+
+
+def test_caller_mistakes_raise_value_error():
+    g = GEOMETRIES["deepseek_mla"]
+    ident = identity(g)
+    with pytest.raises(ValueError, match=f"must be {g.page_bytes} bytes"):
+        fmt.encode_page(ident, key(1), b"123")
+    with pytest.raises(ValueError, match="1..64 bytes"):
+        fmt.encode_page(ident, b"", payload(g, 0))
+    with pytest.raises(ValueError, match="1..64 bytes"):
+        fmt.encode_page(ident, b"x" * 65, payload(g, 0))
+    with pytest.raises(ValueError, match="model_id"):
+        identity(g, model="")

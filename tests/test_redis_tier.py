@@ -1,0 +1,90 @@
+from collections.abc import Iterator
+
+import pytest
+from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, RedisServer, identity, key, payload
+
+from hicache.storage.redis import RedisTier
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[RedisServer]:
+    s = RedisServer(tmp_path)
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_flipped_byte_in_a_redis_value_is_a_miss(server, name):
+    g = GEOMETRIES[name]
+    tier = RedisTier(identity(g), server.url)
+    assert tier.batch_set([(key(i), payload(g, i)) for i in range(3)]) == [True] * 3
+    raw = server.client()
+    value = bytearray(raw.get(tier.qualified(key(1))))
+    value[len(value) // 2] ^= 0x10
+    raw.set(tier.qualified(key(1)), bytes(value))
+    got = tier.batch_get([key(0), key(1), key(2)])
+    assert bytes(got[0]) == payload(g, 0) and got[1] is None and bytes(got[2]) == payload(g, 2)
+    assert raw.exists(tier.qualified(key(1))) == 0  # deleted
+    assert tier.stats().corrupt == 1
+    tier.close()
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_two_sidecars_share_pages_two_namespaces_do_not(server, name):
+    g = GEOMETRIES[name]
+    a, b = RedisTier(identity(g, "ns1"), server.url), RedisTier(identity(g, "ns1"), server.url)
+    c = RedisTier(identity(g, "ns2"), server.url)
+    assert a.batch_set([(key(i), payload(g, i)) for i in range(4)]) == [True] * 4
+    assert b.batch_exists([key(i) for i in range(6)]) == 4
+    assert [bytes(x) for x in b.batch_get([key(3), key(0)]) if x is not None] == [payload(g, 3), payload(g, 0)]
+    assert c.batch_exists([key(0)]) == 0 and c.get(key(0)) is None
+    assert c.set(key(0), payload(g, 9)) and bytes(a.get(key(0))) == payload(g, 0)
+
+
+def test_ttl_expires_pages(server):
+    g = GEOMETRIES["deepseek_mla"]
+    tier = RedisTier(identity(g), server.url, ttl_s=100)
+    assert tier.set(key(1), payload(g, 1))
+    assert 0 < server.client().pttl(tier.qualified(key(1))) <= 100_000
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_redis_stopped_mid_run_then_restarted(server, name):
+    g = GEOMETRIES[name]
+    clock = FakeClock()
+    tier = RedisTier(identity(g), server.url, timeout_s=2, backoff_initial_s=1, backoff_max_s=4, clock=clock)
+    assert tier.set(key(0), payload(g, 0)) and tier.health().healthy
+    server.stop()
+    # down: misses and failures, no exception, unhealthy in health() and stats()
+    assert tier.get(key(0)) is None
+    assert not tier.health().healthy and not tier.stats().healthy
+    errors = tier.stats().errors
+    assert tier.set(key(1), payload(g, 1)) is False and tier.batch_exists([key(0)]) == 0
+    assert tier.stats().errors == errors, "within the backoff window, no connection attempt is made"
+    clock.now += 1.5  # past the first backoff: the next call tries again, fails, backs off longer
+    assert tier.get(key(0)) is None and tier.stats().errors == errors + 1
+    assert "retry in 2.00s" in tier.health().detail
+    server.start()  # same port, empty (no persistence)
+    assert not tier.health().healthy  # still backing off
+    clock.now += 2.5
+    assert tier.health().healthy  # the probe reconnects
+    assert tier.set(key(1), payload(g, 1)) and bytes(tier.get(key(1))) == payload(g, 1)
+    s = tier.stats()
+    assert s.healthy and s.write_failures == 1 and s.writes == 2
+    tier.close()
+
+
+def test_unreachable_at_start_does_not_raise(tmp_path):
+    g = GEOMETRIES["mimo_kv"]
+    tier = RedisTier(identity(g), f"unix://{tmp_path}/nothing.sock", timeout_s=0.5)
+    assert tier.get(key(0)) is None and not tier.set(key(0), payload(g, 0))
+    assert not tier.health().healthy and "unreachable" in tier.health().detail

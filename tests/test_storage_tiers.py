@@ -1,0 +1,101 @@
+"""Behaviour every storage tier shares, run on the file and redis tiers for every geometry."""
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, RedisServer, identity, key, payload
+
+from hicache.storage import StorageTier, TierIdentity, make_tier
+from hicache.storage.factory import check_extra
+
+MakeTier = Callable[[TierIdentity], StorageTier]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"), unix=True)
+    server.start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(params=["file", "redis"])
+def make(request, tmp_path) -> Iterator[MakeTier]:
+    tiers: list[StorageTier] = []
+
+    def build(ident: TierIdentity) -> StorageTier:
+        extra = {"dir": str(tmp_path)} if request.param == "file" else {"url": request.getfixturevalue("redis_url")}
+        tier = make_tier(request.param, extra, ident)
+        tiers.append(tier)
+        return tier
+
+    yield build
+    for t in tiers:
+        t.check_integrity()
+        if t.backend == "redis":
+            t._client.flushdb()  # type: ignore[attr-defined]
+        t.close()
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_set_get_exists_delete(make, name):
+    g = GEOMETRIES[name]
+    tier = make(identity(g))
+    pages = {key(i): payload(g, i) for i in range(5)}
+    assert tier.batch_set(list(pages.items())[:4]) == [True] * 4
+    assert tier.set(key(4), pages[key(4)])
+    keys = list(pages)
+    assert tier.batch_exists(keys) == 5
+    assert tier.batch_exists([key(0), key(1), key(99), key(2)]) == 2
+    assert tier.batch_contains([key(99), key(3)]) == [False, True]
+    assert tier.exists(key(2)) and not tier.exists(key(99))
+    got = tier.batch_get(keys + [key(99)])
+    assert [bytes(x) if x is not None else None for x in got] == list(pages.values()) + [None]
+    assert tier.delete(key(2)) and not tier.delete(key(2))
+    assert tier.get(key(2)) is None and tier.batch_exists(keys) == 2
+    tier.check_integrity()
+    s = tier.stats()
+    assert (s.hits, s.misses, s.writes, s.deletes, s.corrupt) == (5, 2, 5, 1, 0)
+    assert s.bytes_written == 5 * g.page_bytes and s.healthy and tier.health().healthy
+
+
+def test_overwrite_and_bad_input(make):
+    g = GEOMETRIES["mimo_fp4"]
+    tier = make(identity(g))
+    assert tier.set(key(1), payload(g, 1)) and tier.set(key(1), payload(g, 2))
+    assert bytes(tier.get(key(1))) == payload(g, 2)
+    with pytest.raises(ValueError, match=f"must be {g.page_bytes} bytes"):
+        tier.batch_set([(key(2), payload(g, 2)), (key(3), b"short")])
+    assert not tier.exists(key(2))  # nothing of a rejected batch was stored
+    with pytest.raises(ValueError, match="1..64 bytes"):
+        tier.get(b"")
+
+
+def test_geometry_model_namespace_isolation(make):
+    g = GEOMETRIES["mimo_kv"]
+    other_g = GEOMETRIES["mimo_fp4"]
+    a = make(identity(g, namespace="tenant-a"))
+    assert a.set(key(1), payload(g, 1))
+    for other in (identity(g, namespace="tenant-b"), identity(g, model="test-model@rev2"), identity(other_g)):
+        b = make(other)
+        assert b.batch_exists([key(1)]) == 0 and b.get(key(1)) is None
+    same = make(identity(g, namespace="tenant-a"))
+    if same.backend == "redis":  # a second instance sharing the server sees the page
+        assert bytes(same.get(key(1))) == payload(g, 1)
+
+
+def test_factory_errors(tmp_path):
+    ident = identity(GEOMETRIES["mimo_kv"])
+    with pytest.raises(ValueError, match="'nfs'"):
+        make_tier("nfs", {}, ident)
+    with pytest.raises(ValueError, match=r"\['path'\]"):
+        make_tier("file", {"path": "x"}, ident)
+    with pytest.raises(ValueError, match='needs "url"'):
+        check_extra("redis", {})
+    with pytest.raises(ValueError, match="max_bytes"):
+        make_tier("file", {"dir": str(tmp_path), "max_bytes": -1}, ident)
+    with pytest.raises(ValueError, match="ftp://x"):
+        make_tier("redis", {"url": "ftp://x"}, ident)
+    none = make_tier("none", {}, ident)
+    assert not none.enabled and not none.set(key(1), payload(GEOMETRIES["mimo_kv"], 1))
+    assert none.get(key(1)) is None and none.batch_exists([key(1)]) == 0

@@ -1,0 +1,232 @@
+"""HierarchicalCache: eviction and pins, write policies, load from storage, real backends."""
+
+from collections.abc import Iterator
+
+import pytest
+from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, MemoryTier, RedisServer, identity, key, payload
+
+from hicache.cache.tiering import HierarchicalCache
+from hicache.pools import HostKVPool
+from hicache.storage import make_tier
+
+
+@pytest.fixture
+def build() -> Iterator:
+    made: list[tuple[HierarchicalCache, HostKVPool]] = []
+
+    def make(name: str, pages: int, storage=None, **kw) -> HierarchicalCache:
+        pool = HostKVPool(GEOMETRIES[name], pages, "page_first")
+        cache = HierarchicalCache(pool, storage, **kw)
+        made.append((cache, pool))
+        return cache
+
+    yield make
+    for cache, pool in made:
+        cache.check_integrity()
+        cache.close()
+        pool.close()
+
+
+def host_bytes(cache: HierarchicalCache, k: bytes) -> bytes:
+    page = cache.index.page_of(k)
+    assert page is not None
+    return cache.pool.read_page(page).numpy().tobytes()
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_eviction_order_and_pins(build, name):
+    g = GEOMETRIES[name]
+    cache = build(name, 4)
+    assert cache.put([key(i) for i in range(4)], [payload(g, i) for i in range(4)])
+    cache.check_integrity()
+    got = cache.load([key(0)])  # a use: 0 becomes most recent
+    assert got.sources == ["host"] and host_bytes(cache, key(0)) == payload(g, 0)
+    cache.release(got.keys)
+    cache.pin([key(1)])
+    assert cache.put([key(4), key(5)], [payload(g, 4), payload(g, 5)])  # evicts 2 then 3
+    cache.check_integrity()
+    assert cache.lookup([key(i) for i in range(6)]) == ["host", "host", "none", "none", "host", "host"]
+    res = cache.reserve([key(0), key(6)])  # LRU is 0, 4, 5: evicts 4, never 0 (in this batch)
+    assert res is not None and res.existing == [(key(0), cache.index.page_of(key(0)))] and len(res.new) == 1
+    assert key(4) not in cache.index
+    cache.pool.write_page(res.new[0][1], payload(g, 6))
+    cache.commit(res)
+    held = cache.load([key(0), key(5), key(6)])
+    assert held.keys == [key(0), key(5), key(6)]
+    assert cache.reserve([key(7)]) is None  # 1 pinned, 0/5/6 referenced: no room, nothing taken
+    cache.check_integrity()
+    cache.unpin([key(1)])  # rejoins the LRU order before the released keys
+    cache.release(held.keys)
+    assert cache.evict(1) == 1 and key(1) not in cache.index
+    for i in (0, 5, 6):
+        assert host_bytes(cache, key(i)) == payload(g, i)
+    cache.check_integrity()
+
+
+def test_bad_input(build, tmp_path):
+    cache = build("mimo_kv", 2)
+    with pytest.raises(ValueError, match="duplicate keys"):
+        cache.reserve([key(1), key(1)])
+    with pytest.raises(ValueError, match="non-empty bytes"):
+        cache.load([b""])
+    with pytest.raises(ValueError, match="'write_around'"):
+        build("mimo_kv", 2, write_policy="write_around")
+    with pytest.raises(ValueError, match="'eager'"):
+        cache.prefetch([key(1)], policy="eager")
+    other = make_tier("file", {"dir": str(tmp_path)}, identity(GEOMETRIES["mimo_fp4"]))
+    with pytest.raises(ValueError, match="storage tier is for geometry"):
+        build("mimo_kv", 2, other)
+    res = cache.reserve([key(1)])
+    cache.commit(res)
+    with pytest.raises(ValueError, match="not reserved for an offload"):
+        cache.commit(res)
+    with pytest.raises(KeyError, match="not resident"):
+        cache.pin([key(1), key(2)])
+    assert cache.index.pins(key(1)) == 0  # nothing half-pinned
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_write_through(build, name):
+    g = GEOMETRIES[name]
+    tier = MemoryTier(identity(g))
+    cache = build(name, 4, tier, write_policy="write_through")
+    assert cache.put([key(i) for i in range(3)], [payload(g, i) for i in range(3)])
+    assert cache.flush(60)
+    assert tier.pages == {key(i): payload(g, i) for i in range(3)}
+    assert cache.stats()["writes_done"] == 3 and cache.stats()["write_queue_depth"] == 0
+    assert cache.put([key(0)], [payload(g, 0)]) and cache.flush(60)  # already stored: no rewrite
+    assert cache.stats()["writes_done"] == 3
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_write_through_selective(build, name):
+    g = GEOMETRIES[name]
+    tier = MemoryTier(identity(g))
+    cache = build(name, 4, tier, write_policy="write_through_selective")
+    assert cache.put([key(i) for i in range(3)], [payload(g, i) for i in range(3)])
+    assert cache.flush(60) and tier.pages == {}  # first use: host only
+    cache.release(cache.load([key(0)]).keys)  # second use of 0: a load
+    assert cache.put([key(1)], [payload(g, 1)])  # second use of 1: offloaded again
+    assert cache.flush(60)
+    assert tier.pages == {key(0): payload(g, 0), key(1): payload(g, 1)}
+    cache.release(cache.load([key(0)]).keys)  # third use: already stored
+    assert cache.flush(60) and cache.stats()["writes_done"] == 2
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_write_back(build, name):
+    g = GEOMETRIES[name]
+    tier = MemoryTier(identity(g))
+    cache = build(name, 2, tier, write_policy="write_back")
+    assert cache.put([key(0), key(1)], [payload(g, 0), payload(g, 1)])
+    assert cache.flush(60) and tier.pages == {}
+    res = cache.reserve([key(2)])  # evicts 0: its bytes are captured before the page is reused
+    assert res is not None and res.new[0][1] == 0
+    cache.pool.write_page(res.new[0][1], payload(g, 2))
+    cache.commit(res)
+    assert cache.evict(5) == 2  # an explicit eviction stores too
+    assert cache.flush(60)
+    assert tier.pages == {key(i): payload(g, i) for i in range(3)}
+    got = cache.load([key(0), key(1)])  # back from storage; evicting them again writes nothing
+    assert got.sources == ["storage", "storage"]
+    cache.release(got.keys)
+    assert cache.evict(5) == 2 and cache.flush(60) and cache.stats()["writes_done"] == 3
+
+
+def test_storage_writes_never_block_and_overflow_is_dropped(build):
+    g = GEOMETRIES["mimo_fp4"]
+    tier = MemoryTier(identity(g))
+    tier.write_gate.clear()  # storage hangs
+    cache = build("mimo_fp4", 8, tier, write_policy="write_through", max_write_queue=2, write_batch_pages=1)
+    assert cache.put([key(i) for i in range(5)], [payload(g, i) for i in range(5)])  # returns at once
+    s = cache.stats()
+    assert s["writes_dropped"] == 3 and s["write_queue_depth"] == 2
+    cache.check_integrity()  # dropped writes released their pages' references
+    assert sum(cache.index.refs(key(i)) for i in range(5)) == 2
+    tier.write_gate.set()
+    assert cache.flush(60) and len(tier.pages) == 2 and cache.stats()["writes_done"] == 2
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_load_fetches_storage_only_keys_first(build, name):
+    g = GEOMETRIES[name]
+    tier = MemoryTier(identity(g))
+    for i in range(1, 4):
+        tier.set(key(i), payload(g, i))
+    cache = build(name, 4, tier)
+    assert cache.put([key(0)], [payload(g, 0)]) and cache.flush(60)
+    assert cache.lookup([key(0), key(1), key(9), key(3)]) == ["host", "storage", "none", "storage"]
+    got = cache.load([key(0), key(1), key(2), key(9), key(3)])
+    assert got.keys == [key(0), key(1), key(2)] and got.sources == ["host", "storage", "storage"]
+    for k, page, i in zip(got.keys, got.pages, range(3), strict=True):
+        assert cache.pool.read_page(page).numpy().tobytes() == payload(g, i) and cache.index.refs(k) == 1
+    cache.check_integrity()
+    cache.release(got.keys)
+    s = cache.stats()
+    assert (s["host_hits"], s["host_misses"], s["storage_hits"], s["storage_misses"]) == (1, 4, 2, 2)
+
+
+@pytest.mark.parametrize("backend", ["file", "redis"])
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_real_backends_survive_a_host_restart(build, tmp_path, backend, name):
+    g = GEOMETRIES[name]
+    server = None
+    if backend == "redis":
+        server = RedisServer(tmp_path, unix=True)
+        server.start()
+    extra = {"dir": str(tmp_path)} if backend == "file" else {"url": server.url}
+    try:
+        first = build(name, 4, make_tier(backend, extra, identity(g)))
+        assert first.put([key(i) for i in range(4)], [payload(g, i) for i in range(4)]) and first.flush(60)
+        second = build(name, 4, make_tier(backend, extra, identity(g)))  # a new sidecar, empty host
+        handle = second.prefetch([key(i) for i in range(5)], policy="wait_complete")
+        result = handle.result()
+        assert result.ready == 4 and result.status.done == 4 and not result.timed_out
+        assert all(host_bytes(second, key(i)) == payload(g, i) for i in range(4))
+        other_ns = build(name, 4, make_tier(backend, extra, identity(g, namespace="other")))
+        assert other_ns.lookup([key(0)]) == ["none"]
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def test_concurrent_offload_load_prefetch_evict_keep_integrity(build):
+    import random
+    import threading
+
+    g = GEOMETRIES["mimo_fp4"]
+    tier = MemoryTier(identity(g))
+    cache = build("mimo_fp4", 12, tier, write_policy="write_back", write_batch_pages=3)
+    data = {i: payload(g, i) for i in range(40)}
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                ks = rng.sample(range(40), rng.randint(1, 4))
+                op = rng.random()
+                if op < 0.4:
+                    cache.put([key(i) for i in ks], [data[i] for i in ks])
+                elif op < 0.7:
+                    got = cache.load([key(i) for i in ks])
+                    for k, page in zip(got.keys, got.pages, strict=True):
+                        assert cache.pool.read_page(page).numpy().tobytes() == data[int.from_bytes(k[:4], "little")]
+                    cache.release(got.keys)
+                elif op < 0.9:
+                    cache.prefetch([key(i) for i in ks]).result()
+                else:
+                    cache.evict(2)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert cache.flush(60)
+    cache.check_integrity()
+    for k, v in tier.pages.items():  # everything written back is exact
+        assert v == data[int.from_bytes(k[:4], "little")]
