@@ -40,6 +40,8 @@ from hicache.service_types import (
 )
 from hicache.sidecar_pool import PoolIdentity, RegisteredPool
 
+HEALTH_PROBE_KEY = b"hicache-health-probe"
+
 
 class HiCacheService:
     """Thread-safe. Call close() to release every pool (the server does on SIGTERM)."""
@@ -301,6 +303,28 @@ class HiCacheService:
     def pool_ids(self) -> list[str]:
         with self._lock:
             return list(self._pools)
+
+    def pool_snapshots(self) -> list[RegisteredPool]:
+        """Every open registered pool, renewing no lease (for metrics and health checks)."""
+        with self._lock:
+            pools = list(self._pools.values())
+        return [p for p in pools if not p.closed]
+
+    def healthy(self) -> tuple[bool, str]:
+        """(True, "") when every configured tier can serve; (False, why) while a registered
+        pool's storage tier is down (the gRPC health service then says NOT_SERVING)."""
+        down = []
+        for pool in self.pool_snapshots():
+            storage = pool.cache.storage
+            try:
+                storage.contains(HEALTH_PROBE_KEY)  # an idle tier notices it is down only when used
+                health = storage.health()
+                ok, detail = health.healthy, health.detail
+            except Exception as exc:  # a probe that fails is a tier that is down
+                ok, detail = False, f"{type(exc).__name__}: {exc}"
+            if not ok:
+                down.append(f"pool {pool.identity.pool_id} storage tier {storage.backend!r} is down: {detail}")
+        return not down, "; ".join(down)
 
     def close(self) -> None:
         """Refuse new registrations and release every pool after its in-flight work. Idempotent."""

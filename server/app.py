@@ -13,7 +13,7 @@ from concurrent import futures
 from types import FrameType
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hicache.rpc import hicache_pb2 as pb
@@ -21,7 +21,11 @@ from hicache.rpc import hicache_pb2_grpc as pb_grpc
 from hicache.service import HiCacheService
 
 from .auth import TokenInterceptor
-from .config import ServerConfig, parse_args
+from .config import ServerConfig, build_parser, parse_args
+from .envflags import unknown_variables
+from .health_monitor import HealthMonitor
+from .logs import configure_logging
+from .metrics import Metrics
 from .servicer import HiCacheServicer
 
 log = logging.getLogger("hicache.server")
@@ -31,11 +35,24 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HiCache"].full_name
 class HiCacheServer:
     """A started sidecar: the gRPC server, the service, and the lease reaper."""
 
-    def __init__(self, config: ServerConfig, grpc_server: grpc.Server, service: HiCacheService, addresses: list[str]):
+    def __init__(
+        self,
+        config: ServerConfig,
+        grpc_server: grpc.Server,
+        service: HiCacheService,
+        addresses: list[str],
+        *,
+        monitor: HealthMonitor | None = None,
+        metrics: Metrics | None = None,
+        metrics_port: int | None = None,
+    ):
         self.config = config
         self.grpc = grpc_server
         self.service = service
         self.addresses = addresses
+        self.monitor = monitor
+        self.metrics = metrics
+        self.metrics_port = metrics_port  # the bound port of /metrics, when served
         self._stopped = threading.Event()
         interval = config.reap_interval_s or min(1.0, config.service.lease_timeout_s / 4)
         self._reaper = threading.Thread(target=self._reap, args=(interval,), name="hicache-reaper", daemon=True)
@@ -52,8 +69,12 @@ class HiCacheServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.monitor is not None:
+            self.monitor.stop()
         self.grpc.stop(self.config.grace_s if grace is None else grace).wait()
         self.service.close()
+        if self.metrics is not None:
+            self.metrics.stop()
         self._reaper.join()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.config.socket)
@@ -87,7 +108,10 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
     Raises ValueError for a socket already in use or a TCP port that cannot be bound.
     """
     service = service or HiCacheService(config.service)
-    interceptors = [TokenInterceptor(config.token)] if config.token else []
+    metrics = Metrics(service) if config.metrics_port is not None else None
+    interceptors: list[grpc.ServerInterceptor] = [metrics.interceptor] if metrics is not None else []
+    if config.token:
+        interceptors.append(TokenInterceptor(config.token))
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -121,10 +145,18 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
     finally:
         os.umask(old_umask)
     os.chmod(config.socket, 0o600)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    monitor = HealthMonitor(service.healthy, health_servicer, ("", SERVICE_NAME), config.health_interval_s)
+    metrics_port = None
+    if metrics is not None:
+        try:
+            metrics_port = metrics.serve(config.metrics_port or 0, config.metrics_host)
+        except OSError as exc:
+            monitor.stop()
+            server.stop(None)
+            raise ValueError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc}") from None
     log.info("hicache sidecar listening on %s", ", ".join(addresses))
-    return HiCacheServer(config, server, service, addresses), address
+    hs = HiCacheServer(config, server, service, addresses, monitor=monitor, metrics=metrics, metrics_port=metrics_port)
+    return hs, address
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"hicache-server: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        configure_logging(level, config.log_format)
+    except ValueError as exc:
+        print(f"hicache-server: error: {exc}", file=sys.stderr)
+        return 2
+    stray = unknown_variables(build_parser(), os.environ)
+    if stray:
+        log.warning("ignoring environment variables that name no flag: %s", ", ".join(stray))
     try:
         server, address = create_server(config)
     except (ValueError, OSError) as exc:
@@ -148,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"hicache-server: serving on {' '.join(server.addresses)}", flush=True)
+    metrics = f"; metrics on :{server.metrics_port}/metrics" if server.metrics_port is not None else ""
+    print(f"hicache-server: serving on {' '.join(server.addresses)}{metrics}", flush=True)
     while not stop.wait(0.5):
         pass
     server.stop()

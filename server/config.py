@@ -5,21 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry
 from hicache.hf_config import model_geometries
+from hicache.paths import default_socket_path
 from hicache.pools.layouts import LAYOUTS
 from hicache.service_types import ServiceConfig
 
+from .envflags import document, env_argv
+from .logs import LOG_FORMATS
 
-def default_socket_path() -> str:
-    """$XDG_RUNTIME_DIR/hicache/hicache.sock, else /tmp/hicache-$UID/hicache.sock."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        return os.path.join(runtime, "hicache", "hicache.sock")
-    return os.path.join(f"/tmp/hicache-{os.getuid()}", "hicache.sock")
+__all__ = ["ServerConfig", "build_parser", "default_socket_path", "parse_args"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +35,10 @@ class ServerConfig:
     workers: int = 16
     max_message_bytes: int = 64 << 20
     reap_interval_s: float | None = None  # default: min(1, lease_timeout / 4)
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off, 0: any free port
+    metrics_host: str = "0.0.0.0"
+    health_interval_s: float = 5.0  # how often the storage tiers' health is checked
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -47,6 +51,12 @@ class ServerConfig:
                 raise ValueError(f"--listen {self.listen} without --token: pass a token, or --insecure to allow it")
         if self.token is not None and not self.token:
             raise ValueError("token must be non-empty")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if self.health_interval_s <= 0:
+            raise ValueError(f"--health-interval must be > 0 s, got {self.health_interval_s}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.grace_s < 0 or self.workers < 1:
             raise ValueError(f"grace_s must be >= 0 and workers >= 1, got {self.grace_s} and {self.workers}")
 
@@ -64,26 +74,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--listen", default=None, metavar="HOST:PORT", help="also listen on TCP (needs --token or --insecure)"
     )
-    p.add_argument("--token", default=os.environ.get("HICACHE_TOKEN"), help="shared token (default $HICACHE_TOKEN)")
+    p.add_argument("--token", default=None, help="shared token callers must send")
     p.add_argument("--insecure", action="store_true", help="allow --listen without a token")
     p.add_argument("--model-config", default=None, help="HF config.json; engines must register its geometry")
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size: KV heads per rank follow it")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page, as the engine's")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), bfloat16, fp8_e4m3, ...")
-    p.add_argument("--hicache-mem-layout", default="layer_first", choices=LAYOUTS)
+    p.add_argument(
+        "--hicache-mem-layout", default="layer_first", choices=LAYOUTS, help="host pool layout (SGLang names)"
+    )
     HiCacheConfig.add_arguments(p)
     p.add_argument(
         "--lease-timeout", type=float, default=30.0, help="seconds before a silent client's pool is reclaimed"
     )
     p.add_argument("--max-batch", type=int, default=65536, help="most keys in one call")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
-    p.add_argument("--log-level", default="INFO")
-    return p
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="text, or json: one object a line")
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (default off)"
+    )
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
+    p.add_argument("--health-interval", type=float, default=5.0, help="seconds between storage tier health checks")
+    return document(p)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
-    """(config, log level) from the command line. Raises ValueError or OSError for bad values."""
-    args = build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> tuple[ServerConfig, str]:
+    """(config, log level) from the command line (default sys.argv[1:]) and the HICACHE_*
+    variables of `environ` (default os.environ; see envflags). Raises ValueError or OSError."""
+    parser = build_parser()
+    env = os.environ if environ is None else environ
+    args = parser.parse_args(env_argv(parser, env) + (sys.argv[1:] if argv is None else list(argv)))
     expected = None
     if args.model_config:
         expected = expected_geometries(
@@ -103,5 +124,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
         insecure=args.insecure,
         service=service,
         grace_s=args.grace,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        health_interval_s=args.health_interval,
+        log_format=args.log_format,
     )
     return config, args.log_level

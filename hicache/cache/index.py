@@ -38,6 +38,7 @@ class HostIndex:
         self._reserved: set[int] = set()
         self._entries: dict[bytes, _Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # evictable keys, oldest first
+        self.evictions = 0  # keys dropped to make room (allocate, evict); for stats
 
     # ---- queries ----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -95,6 +96,7 @@ class HostIndex:
             page = self._entries.pop(key).page
             self._free.append(page)
             evicted.append((key, page))
+        self.evictions += len(evicted)
         pages = [self._free.pop() for _ in range(n)]
         self._reserved.update(pages)
         return pages, evicted
@@ -140,6 +142,7 @@ class HostIndex:
             page = self._entries.pop(key).page
             self._free.append(page)
             out.append((key, page))
+        self.evictions += len(out)
         return out
 
     # ---- recency, pins and references -------------------------------------------------------

@@ -1,0 +1,42 @@
+"""Logging for the sidecar: `--log-level`, and `--log-format text|json` (one JSON object a
+line: time, level, logger, message, and any `extra=` fields)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, TextIO
+
+LOG_FORMATS = ("text", "json")
+_RECORD_FIELDS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update({k: v for k, v in vars(record).items() if k not in _RECORD_FIELDS})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(level: str, fmt: str = "text", stream: TextIO | None = None) -> None:
+    """Set up the root logger. Raises ValueError naming a bad level or format."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {fmt!r}")
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"--log-level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        JsonFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(numeric)

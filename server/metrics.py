@@ -1,0 +1,169 @@
+"""Prometheus metrics of the sidecar (`--metrics-port`).
+
+A collector reads the service's pools at scrape time (the service keeps its own counters;
+nothing here adds work to a call), and an interceptor times every RPC:
+
+  hicache_pages_total{direction,tier}           pages moved: device_to_host, host_to_device
+  hicache_bytes_total{direction,tier}             (tier host), host_to_storage, storage_to_host (tier storage)
+  hicache_hits_total{tier} / hicache_misses_total{tier}   lookups per tier
+  hicache_evictions_total{tier}                 host: LRU evictions; storage: its size cap
+  hicache_checksum_failures_total{tier}         stored pages that failed their checksum (served as misses)
+  hicache_transfer_gbps{direction}              device<->host copy rate (cumulative bytes / copy time)
+  hicache_host_pool_pages{state}                total, used, pinned; hicache_host_pool_occupancy_ratio
+  hicache_storage_healthy{backend}, hicache_storage_write_queue_pages, hicache_pools
+  hicache_rpc_duration_seconds{method,code}     histogram of every RPC
+
+Per-pool series carry the labels pool, group and namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hicache.service import HiCacheService
+
+log = logging.getLogger("hicache.metrics")
+POOL = ["pool", "group", "namespace"]
+RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServiceCollector(Collector):
+    """Turns the service's per-pool stats into metric families at each scrape."""
+
+    def __init__(self, service: HiCacheService):
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        c = CounterMetricFamily
+        g = GaugeMetricFamily
+        pages = c("hicache_pages", "Pages moved, by direction and tier", labels=[*POOL, "direction", "tier"])
+        nbytes = c("hicache_bytes", "Bytes moved, by direction and tier", labels=[*POOL, "direction", "tier"])
+        hits = c("hicache_hits", "Keys found, per tier", labels=[*POOL, "tier"])
+        misses = c("hicache_misses", "Keys not found, per tier", labels=[*POOL, "tier"])
+        evictions = c("hicache_evictions", "Pages evicted, per tier", labels=[*POOL, "tier"])
+        checksum = c("hicache_checksum_failures", "Stored pages that failed their checksum", labels=[*POOL, "tier"])
+        gbps = g("hicache_transfer_gbps", "Device<->host copy rate in GB/s", labels=[*POOL, "direction"])
+        host = g("hicache_host_pool_pages", "Host pool pages by state", labels=[*POOL, "state"])
+        occupancy = g("hicache_host_pool_occupancy_ratio", "Used / total host pool pages", labels=POOL)
+        healthy = g("hicache_storage_healthy", "1 if the storage tier can serve", labels=[*POOL, "backend"])
+        queue = g("hicache_storage_write_queue_pages", "Pages waiting to be written to storage", labels=POOL)
+        pools = self.service.pool_snapshots()
+        for pool in pools:
+            try:
+                s, cs = pool.stats(), pool.cache.stats()
+            except Exception:  # released while we looked: it is gone from the next scrape
+                continue
+            ids = [s.pool_id, s.group, s.namespace]
+            st, pb = cs["storage"], max(s.page_bytes, 1)
+            moved = (
+                ("device_to_host", "host", s.offload_bytes // pb, s.offload_bytes),
+                ("host_to_device", "host", s.reload_bytes // pb, s.reload_bytes),
+                ("host_to_storage", "storage", st["writes"], st["bytes_written"]),
+                ("storage_to_host", "storage", st["bytes_read"] // pb, st["bytes_read"]),
+            )
+            for direction, tier, n_pages, n_bytes in moved:
+                pages.add_metric([*ids, direction, tier], n_pages)
+                nbytes.add_metric([*ids, direction, tier], n_bytes)
+            for t in s.tiers:
+                hits.add_metric([*ids, t.tier.value], t.hits)
+                misses.add_metric([*ids, t.tier.value], t.misses)
+            evictions.add_metric([*ids, "host"], pool.index.evictions)
+            evictions.add_metric([*ids, "storage"], st["evictions"])
+            checksum.add_metric([*ids, "storage"], st["corrupt"])
+            gbps.add_metric([*ids, "device_to_host"], s.offload_gbps)
+            gbps.add_metric([*ids, "host_to_device"], s.reload_gbps)
+            for state, n in (("total", s.host_pages), ("used", s.used_pages), ("pinned", s.pinned_pages)):
+                host.add_metric([*ids, state], n)
+            occupancy.add_metric(ids, s.used_pages / max(s.host_pages, 1))
+            healthy.add_metric([*ids, s.storage_backend], 1.0 if s.storage_healthy else 0.0)
+            queue.add_metric(ids, s.storage_write_queue)
+        yield from (pages, nbytes, hits, misses, evictions, checksum, gbps, host, occupancy, healthy, queue)
+        yield GaugeMetricFamily("hicache_pools", "Registered pools", value=len(pools))
+
+
+class LatencyInterceptor(grpc.ServerInterceptor):
+    """Observes every RPC's duration in `histogram`, labelled with the method and status code."""
+
+    def __init__(self, histogram: Histogram):
+        self.histogram = histogram
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        observe = self.histogram
+
+        def record(t0: float, context: grpc.ServicerContext, failed: bool) -> None:
+            code = _code(context) or ("UNKNOWN" if failed else "OK")
+            observe.labels(method, code).observe(time.perf_counter() - t0)
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                t0, failed = time.perf_counter(), True
+                try:
+                    out = inner(request, context)
+                    failed = False
+                    return out
+                finally:
+                    record(t0, context, failed)
+
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+        inner_stream = handler.unary_stream
+
+        def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            t0, failed = time.perf_counter(), True
+            try:
+                yield from inner_stream(request, context)
+                failed = False
+            finally:
+                record(t0, context, failed)
+
+        return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
+
+
+def _code(context: grpc.ServicerContext) -> str | None:
+    code = getattr(context, "code", lambda: None)()
+    return code.name if isinstance(code, grpc.StatusCode) else None
+
+
+class Metrics:
+    """A registry with the service collector and the RPC histogram; serve() exposes it."""
+
+    def __init__(self, service: HiCacheService):
+        self.registry = CollectorRegistry()
+        self.registry.register(ServiceCollector(service))
+        self.rpc_seconds = Histogram(
+            "hicache_rpc_duration_seconds",
+            "RPC latency by method and status code",
+            ["method", "code"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
+        self.interceptor = LatencyInterceptor(self.rpc_seconds)
+        self._httpd: Any = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Start the HTTP endpoint (/metrics); returns the bound port (port 0 picks one)."""
+        self._httpd, _thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = int(self._httpd.server_port)
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None

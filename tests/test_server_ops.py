@@ -1,0 +1,188 @@
+"""Operating the sidecar: flags from the environment, --help, Prometheus metrics, health
+that follows the storage tier, JSON logs."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from sidecar_util import filled_device, mimo_geometries
+
+from hicache.cache.config import HiCacheConfig
+from hicache.client import HiCacheClient
+from hicache.health import check_health
+from hicache.service_types import ServiceConfig
+from server import ServerConfig, create_server, parse_args
+from server.config import build_parser
+from server.envflags import env_argv, env_name, unknown_variables
+from server.logs import configure_logging
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="hc")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_env_names_follow_one_rule():
+    assert env_name("--hicache-ratio") == "HICACHE_RATIO"
+    assert env_name("--socket") == "HICACHE_SOCKET"
+    assert env_name("--hicache-storage-backend-extra-config") == "HICACHE_STORAGE_BACKEND_EXTRA_CONFIG"
+    assert env_name("--log-level") == "HICACHE_LOG_LEVEL"
+    with pytest.raises(ValueError, match="'-s'"):
+        env_name("-s")
+
+
+def test_every_flag_can_come_from_the_environment_and_the_command_line_wins():
+    env = {
+        "HICACHE_SOCKET": "/tmp/x/hc.sock",
+        "HICACHE_RATIO": "3.5",
+        "HICACHE_STORAGE_BACKEND": "none",
+        "HICACHE_LISTEN": "127.0.0.1:0",
+        "HICACHE_INSECURE": "true",
+        "HICACHE_METRICS_PORT": "9400",
+        "HICACHE_LOG_FORMAT": "json",
+    }
+    config, level = parse_args(["--hicache-ratio", "4"], env)
+    assert config.socket == "/tmp/x/hc.sock" and config.listen == "127.0.0.1:0" and config.insecure
+    assert config.service.hierarchy.ratio == 4.0 and config.service.hierarchy.storage_backend == "none"
+    assert config.metrics_port == 9400 and config.log_format == "json" and level == "INFO"
+    assert parse_args([], {"HICACHE_RATIO": "3.5", "HICACHE_STORAGE_BACKEND": "none"})[0].service.hierarchy.ratio == 3.5
+    with pytest.raises(ValueError, match="HICACHE_INSECURE='maybe'"):
+        parse_args([], {"HICACHE_INSECURE": "maybe"})
+    parser = build_parser()
+    every = {env_name(s) for a in parser._actions for s in a.option_strings[:1] if s.startswith("--") and s != "--help"}
+    assert len(every) == len(parser._actions) - 1  # one variable per flag
+    assert env_argv(parser, {"HICACHE_INSECURE": "0"}) == []
+    assert unknown_variables(parser, {"HICACHE_RATIO": "1", "HICACHE_RATOI": "1", "PATH": "/"}) == ["HICACHE_RATOI"]
+
+
+def test_help_documents_every_flag_with_sglang_names():
+    text = build_parser().format_help()
+    for flag in (
+        "--hicache-ratio",
+        "--hicache-size",
+        "--hicache-mem-layout",
+        "--hicache-write-policy",
+        "--hicache-storage-backend",
+        "--hicache-storage-prefetch-policy",
+        "--hicache-storage-backend-extra-config",
+        "--page-size",
+        "--metrics-port",
+        "--log-level",
+    ):
+        assert flag in text
+    parser = build_parser()
+    for action in parser._actions:
+        if action.option_strings and action.option_strings[0] != "-h":
+            assert action.help and "[env HICACHE_" in action.help, action.option_strings
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("pool", "namespace"))))] = (
+                s.value
+            )
+    return out
+
+
+def test_metrics_count_pages_bytes_tiers_and_rpc_latency(sockdir):
+    hierarchy = HiCacheConfig(storage_backend="file", extra_config={"dir": os.path.join(sockdir, "pages")}, ratio=0.5)
+    svc = ServiceConfig(expected=mimo_geometries(), hierarchy=hierarchy)
+    cfg = ServerConfig(socket=os.path.join(sockdir, "hc.sock"), service=svc, metrics_port=0, metrics_host="127.0.0.1")
+    srv, address = create_server(cfg)
+    try:
+        assert srv.metrics_port
+        dev = filled_device(8)
+        with HiCacheClient(address) as client:
+            info = client.register(dev, model_id="mimo@test")
+            keys = client.page_keys(list(range(16 * 6)))
+
+            def drain() -> None:  # write_through: storage writes are asynchronous
+                for _ in range(400):
+                    if client.stats()[0].storage_write_queue == 0:
+                        return
+                    time.sleep(0.05)
+
+            client.offload(keys[:4], [0, 1, 2, 3])
+            drain()
+            client.offload(keys[4:], [4, 5])  # a 4-page host pool: 2 evictions
+            drain()
+            client.reload(keys[4:], [6, 7]).wait()
+            client.lookup(keys)
+            m = scrape(srv.metrics_port)
+        g = ("group", "full")
+        pb = info.host_pages and dev.geometry.page_bytes
+        assert m[("hicache_pages_total", (("direction", "device_to_host"), g, ("tier", "host")))] == 6
+        assert m[("hicache_bytes_total", (("direction", "host_to_device"), g, ("tier", "host")))] == 2 * pb
+        assert m[("hicache_pages_total", (("direction", "host_to_storage"), g, ("tier", "storage")))] == 6
+        assert m[("hicache_evictions_total", (g, ("tier", "host")))] == 2
+        assert m[("hicache_host_pool_pages", (g, ("state", "total")))] == 4
+        assert m[("hicache_host_pool_occupancy_ratio", (g,))] == 1.0
+        assert m[("hicache_hits_total", (g, ("tier", "host")))] >= 1
+        assert m[("hicache_checksum_failures_total", (g, ("tier", "storage")))] == 0
+        assert m[("hicache_storage_healthy", (("backend", "file"), g))] == 1.0
+        assert m[("hicache_pools", ())] == 1
+        assert m[("hicache_rpc_duration_seconds_count", (("code", "OK"), ("method", "Offload")))] == 2
+        assert m[("hicache_rpc_duration_seconds_count", (("code", "OK"), ("method", "RegisterPool")))] == 1
+        dev.close()
+    finally:
+        srv.stop(0)
+
+
+def test_health_is_not_serving_while_the_storage_tier_is_down(sockdir):
+    hierarchy = HiCacheConfig(storage_backend="redis", extra_config={"url": "redis://127.0.0.1:1/0", "timeout_s": 0.2})
+    svc = ServiceConfig(expected=mimo_geometries(), hierarchy=hierarchy)
+    srv, address = create_server(
+        ServerConfig(socket=os.path.join(sockdir, "hc.sock"), service=svc, health_interval_s=0.05)
+    )
+    try:
+        assert check_health(address) == "SERVING"  # no pool, no tier yet
+        dev = filled_device(4)
+        with HiCacheClient(address) as client:
+            client.register(dev, model_id="mimo@test")
+            for _ in range(400):
+                if check_health(address) == "NOT_SERVING":
+                    break
+                time.sleep(0.05)
+            assert check_health(address) == "NOT_SERVING"
+            assert check_health(address, service="hicache.v1.HiCache") == "NOT_SERVING"
+            assert srv.service.healthy()[1].startswith("pool ") and "redis" in srv.service.healthy()[1]
+        for _ in range(400):  # the pool is gone with its client: healthy again
+            if check_health(address) == "SERVING":
+                break
+            time.sleep(0.05)
+        assert check_health(address) == "SERVING"
+        dev.close()
+    finally:
+        srv.stop(0)
+
+
+def test_json_logs_are_one_object_a_line():
+    stream = io.StringIO()
+    configure_logging("info", "json", stream)
+    try:
+        logging.getLogger("hicache.test").info("pool %s registered", "p1", extra={"pool_id": "p1"})
+        logging.getLogger("hicache.test").debug("hidden")
+    finally:
+        configure_logging("WARNING", "text")
+    (line,) = stream.getvalue().splitlines()
+    record = json.loads(line)
+    assert record["msg"] == "pool p1 registered" and record["level"] == "INFO" and record["pool_id"] == "p1"
+    with pytest.raises(ValueError, match="--log-level"):
+        configure_logging("LOUD")
+    with pytest.raises(ValueError, match="--log-format"):
+        configure_logging("INFO", "xml")
