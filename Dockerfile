@@ -1,16 +1,36 @@
-# hicache sidecar image. CPU torch by default; --build-arg TORCH_INDEX=<cuda wheel index> for CUDA.
+# hicache sidecar image: `hicache-server` by default; `hicache demo --sidecar ...` runs the
+# example engine (compose's `engine` service) from the same image.
+#   CPU (default):  docker build -t hicache .
+#   CUDA:           docker build -t hicache:cuda --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 \
+#                       --build-arg EXTRAS="[cuda,storage]" .
 FROM python:3.11-slim
+
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-ARG EXTRAS=""
-RUN useradd --create-home --uid 1000 hicache
+ARG EXTRAS="[storage]"
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HICACHE_SOCKET=/run/hicache/hicache.sock
+
+# A fixed non-root uid: the engine must run as the same uid to use the 0600 socket.
+RUN useradd --create-home --uid 1000 hicache \
+ && mkdir -p /run/hicache /var/lib/hicache \
+ && chown hicache:hicache /run/hicache /var/lib/hicache
+
 WORKDIR /app
+RUN pip install torch==${TORCH_VERSION} --index-url ${TORCH_INDEX}
 COPY pyproject.toml setup.py README.md ./
 COPY hicache ./hicache
 COPY server ./server
 COPY proto ./proto
-RUN pip install --no-cache-dir torch==${TORCH_VERSION} --index-url ${TORCH_INDEX} \
- && pip install --no-cache-dir ".${EXTRAS}"
+RUN pip install ".${EXTRAS}"
+
 USER hicache
-ENTRYPOINT ["hicache"]
-CMD ["demo"]
+# /run/hicache: the socket (share it with the engine); /var/lib/hicache: the file tier.
+VOLUME ["/run/hicache", "/var/lib/hicache"]
+EXPOSE 9400
+HEALTHCHECK --interval=5s --timeout=3s --start-period=30s --retries=3 CMD ["hicache", "health"]
+ENTRYPOINT ["hicache-server"]
+CMD ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config", "{\"dir\": \"/var/lib/hicache/pages\"}"]

@@ -8,6 +8,9 @@ import sys
 
 from hicache.paths import default_socket_path
 
+# The variables the `hicache` command reads (the server's are in hicache_server.envflags).
+CLIENT_VARIABLES = ("HICACHE_SOCKET", "HICACHE_TOKEN")
+
 
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument(

@@ -1,0 +1,207 @@
+"""Run a docker-compose.yml as local processes: the same commands, environments, healthchecks
+and dependency order, without Docker.
+
+What stands in for the containers:
+- Programs: the image's ENTRYPOINT/CMD and ENV come from the Dockerfile; `hicache-server`
+  and `hicache` run from this checkout with this interpreter; other programs (redis-server,
+  redis-cli) from PATH.
+- Files: every named volume is one temporary folder, shared by the services that mount it;
+  a container path in a command or a variable is rewritten to its folder. /app (the image's
+  WORKDIR, where the Dockerfile copies the repository) is the repository root.
+- Network: every port a service exposes gets a free loopback port; "service:port" and the
+  service's own "--port N" / "=N" become it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAMS = {"hicache-server": [sys.executable, "-m", "server"], "hicache": [sys.executable, "-m", "hicache.cli"]}
+
+
+def dockerfile_image(path: Path) -> dict[str, Any]:
+    """ENTRYPOINT, CMD (exec form), ENV and WORKDIR of a Dockerfile (the last of each)."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out: dict[str, Any] = {"entrypoint": [], "cmd": [], "env": {}, "workdir": "/"}
+    for line in text.splitlines():
+        word, _, rest = line.strip().partition(" ")
+        if word == "ENTRYPOINT":
+            out["entrypoint"] = json.loads(rest)
+        elif word == "CMD":
+            out["cmd"] = json.loads(rest)
+        elif word == "WORKDIR":
+            out["workdir"] = rest.strip()
+        elif word == "ENV":
+            out["env"].update(dict(item.split("=", 1) for item in shlex.split(rest)))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _listify(value: Any) -> list[str]:
+    if value is None:
+        return []
+    return shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+
+
+@dataclass
+class Service:
+    name: str
+    spec: dict[str, Any]
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)  # container path -> local path
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+
+class LocalCompose:
+    """Start services in dependency order (waiting on healthchecks as depends_on says), then
+    wait for the first to exit, stop the rest, and return that exit status."""
+
+    def __init__(self, compose: dict[str, Any], image: dict[str, Any], workdir: Path):
+        self.compose, self.image, self.workdir = compose, image, workdir
+        self.paths: dict[str, str] = {image["workdir"]: str(ROOT)}
+        for vol in compose.get("volumes") or {}:
+            self.paths[f"volume:{vol}"] = tempfile.mkdtemp(prefix=f"{vol}-", dir=workdir)
+        self.ports: dict[tuple[str, str], int] = {}
+        for name, spec in compose["services"].items():
+            for entry in [*(spec.get("expose") or []), *(spec.get("ports") or [])]:
+                self.ports[(name, str(entry).rsplit(":", 1)[-1])] = _free_port()
+        self.services = {name: self._service(name, spec) for name, spec in compose["services"].items()}
+
+    # ---- translating one service ---------------------------------------------------------------
+    def _service(self, name: str, spec: dict[str, Any]) -> Service:
+        mounts = {}
+        for entry in spec.get("volumes") or []:
+            source, target = str(entry).split(":")[:2]
+            mounts[target] = self.paths[f"volume:{source}"] if f"volume:{source}" in self.paths else source
+        from_image = "image" in spec or "build" in spec
+        entrypoint = _listify(spec["entrypoint"]) if "entrypoint" in spec else self.image["entrypoint"]
+        command = _listify(spec["command"]) if "command" in spec else self.image["cmd"]
+        if spec.get("image", "").startswith("redis"):
+            entrypoint = []  # the redis image's entrypoint only drops privileges
+        env = dict(self.image["env"]) if from_image and not spec.get("image", "").startswith("redis") else {}
+        env.update({k: str(v) for k, v in (spec.get("environment") or {}).items()})
+        sub = {**self.paths, **mounts}
+        argv = [self._rewrite(name, a, sub) for a in [*entrypoint, *command]]
+        env = {k: self._rewrite(name, v, sub) for k, v in env.items()}
+        return Service(name, spec, self._program(argv), env, sub)
+
+    def _rewrite(self, service: str, value: str, paths: dict[str, str]) -> str:
+        for (owner, port), local in self.ports.items():
+            value = value.replace(f"{owner}:{port}", f"127.0.0.1:{local}")
+            if owner == service and (value == port or value.endswith(f"={port}")):
+                value = value[: len(value) - len(port)] + str(local)
+        for target in sorted((t for t in paths if t.startswith("/")), key=len, reverse=True):
+            value = re.sub(rf"(?<![\w/]){re.escape(target)}(?=/|\b|$)", paths[target], value)
+        return value
+
+    @staticmethod
+    def _program(argv: list[str]) -> list[str]:
+        return PROGRAMS.get(argv[0], [argv[0]]) + argv[1:] if argv else argv
+
+    # ---- running --------------------------------------------------------------------------
+    def order(self) -> list[str]:
+        """Services in dependency order. Raises ValueError for a cycle or an unknown service."""
+        done: list[str] = []
+
+        def visit(name: str, path: tuple[str, ...]) -> None:
+            if name in done:
+                return
+            if name in path or name not in self.services:
+                raise ValueError(f"bad depends_on at {' -> '.join((*path, name))}")
+            for dep in self.services[name].spec.get("depends_on") or {}:
+                visit(dep, (*path, name))
+            done.append(name)
+
+        for name in self.services:
+            visit(name, ())
+        return done
+
+    def start(self, name: str) -> None:
+        s = self.services[name]
+        s.log = self.workdir / f"{name}.log"
+        env = {**os.environ, **s.env, "PYTHONPATH": str(ROOT)}
+        with open(s.log, "wb") as log:
+            s.proc = subprocess.Popen(s.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def healthy(self, name: str) -> bool:
+        s = self.services[name]
+        test = _listify((s.spec.get("healthcheck") or {}).get("test"))
+        if not test:
+            raise ValueError(f"service {name} has no healthcheck but a dependant waits for service_healthy")
+        if test[0] not in ("CMD", "CMD-SHELL"):
+            raise ValueError(f"unsupported healthcheck {test}")
+        argv = self._program([self._rewrite(name, a, s.paths) for a in test[1:]])
+        if test[0] == "CMD-SHELL":
+            argv = ["sh", "-c", " ".join(argv)]
+        env = {**os.environ, **s.env, "PYTHONPATH": str(ROOT)}
+        return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=30).returncode == 0
+
+    def wait_for(self, dep: str, condition: str, timeout: float) -> None:
+        s = self.services[dep]
+        assert s.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rc = s.proc.poll()
+            if condition == "service_completed_successfully" and rc is not None:
+                if rc != 0:
+                    raise RuntimeError(f"{dep} exited {rc}:\n{self.tail(dep)}")
+                return
+            if rc is not None:
+                raise RuntimeError(f"{dep} exited {rc} before it was {condition}:\n{self.tail(dep)}")
+            if condition == "service_started" or (condition == "service_healthy" and self.healthy(dep)):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{dep} not {condition} after {timeout} s:\n{self.tail(dep)}")
+
+    def up(self, timeout: float = 300.0) -> tuple[str, int]:
+        """Like `docker compose up --abort-on-container-exit`: (first service to exit, its status)."""
+        try:
+            for name in self.order():
+                deps = self.services[name].spec.get("depends_on") or {}
+                for dep, cond in deps.items() if isinstance(deps, dict) else ((d, {}) for d in deps):
+                    self.wait_for(dep, (cond or {}).get("condition", "service_started"), timeout)
+                self.start(name)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                for name, s in self.services.items():
+                    if s.proc is not None and s.proc.poll() is not None:
+                        return name, s.proc.returncode
+                time.sleep(0.2)
+            raise TimeoutError(f"no service exited within {timeout} s")
+        finally:
+            self.down()
+
+    def down(self, grace: float = 30.0) -> None:
+        for s in reversed(list(self.services.values())):
+            if s.proc is not None and s.proc.poll() is None:
+                s.proc.terminate()
+                try:
+                    s.proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    s.proc.kill()
+                    s.proc.wait()
+
+    def tail(self, name: str, lines: int = 40) -> str:
+        log = self.services[name].log
+        if log is None or not log.exists():
+            return "(no output)"
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])

@@ -1,0 +1,121 @@
+"""docker-compose.yml, exercised: its structure, its variables against the real flags, a
+run of every service as a local process, and `docker compose up` when Docker is reachable."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hicache.cli import CLIENT_VARIABLES
+from hicache.cli import build_parser as cli_parser
+from server.config import build_parser as server_parser
+from server.config import parse_args
+from server.envflags import unknown_variables
+
+from .compose_local import ROOT, LocalCompose, dockerfile_image
+
+
+def load() -> tuple[dict[str, Any], dict[str, Any]]:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text()), dockerfile_image(ROOT / "Dockerfile")
+
+
+def test_compose_and_image_declare_the_deployment():
+    compose, image = load()
+    s = compose["services"]
+    assert {"hicache", "engine", "redis"} <= set(s)
+    assert s["hicache"]["ipc"] == "shareable" and s["engine"]["ipc"] == "service:hicache"
+    assert s["hicache"]["shm_size"]
+    socket_dir = "/run/hicache"
+    assert image["env"]["HICACHE_SOCKET"].startswith(socket_dir + "/")
+    for name in ("hicache", "engine"):
+        assert any(str(v).endswith(":" + socket_dir) for v in s[name]["volumes"]), name
+    shared = {str(v).split(":")[0] for v in s["hicache"]["volumes"]} & {
+        str(v).split(":")[0] for v in s["engine"]["volumes"]
+    }
+    assert shared and shared <= set(compose["volumes"])
+    assert s["engine"]["depends_on"]["hicache"]["condition"] == "service_healthy"
+    assert s["hicache"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert image["entrypoint"] == ["hicache-server"]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "\nUSER hicache" in dockerfile and "HEALTHCHECK" in dockerfile and '"hicache", "health"' in dockerfile
+
+
+def test_every_variable_names_a_flag_and_every_command_parses(tmp_path: Path):
+    compose, image = load()
+    s = compose["services"]
+    env = {**image["env"], **{k: str(v) for k, v in s["hicache"]["environment"].items()}}
+    assert unknown_variables(server_parser(), env) == []
+    hc = LocalCompose(compose, image, tmp_path).services["hicache"]  # container paths -> local ones
+    config, _ = parse_args(hc.argv[3:], hc.env)  # raises on a drifted flag or value
+    assert config.service.hierarchy.storage_backend == "redis" and config.metrics_port is not None
+    assert config.service.expected is not None and set(config.service.expected) == {"full", "swa"}
+    engine_env = {**image["env"], **{k: str(v) for k, v in (s["engine"].get("environment") or {}).items()}}
+    assert {k for k in engine_env if k.startswith("HICACHE_")} <= set(CLIENT_VARIABLES)
+    assert s["engine"]["entrypoint"] == ["hicache"]
+    args = cli_parser().parse_args(list(s["engine"]["command"]))
+    assert args.command == "demo" and args.sidecar == image["env"]["HICACHE_SOCKET"]
+    assert args.page_size == config.service.expected["full"].page_size
+    with pytest.raises(SystemExit):
+        parse_args(["--hicache-ratoi", "1"], {})
+
+
+def test_local_rewrites_paths_ports_and_programs(tmp_path: Path):
+    compose, image = load()
+    local = LocalCompose(compose, image, tmp_path)
+    hc, engine, redis = (local.services[n] for n in ("hicache", "engine", "redis"))
+    assert hc.argv[:3] == engine.argv[:3][:1] + hc.argv[1:3] and hc.argv[1:3] == ["-m", "server"]
+    assert f"--model-config={ROOT}/hicache/data/mimo_v2_flash.json" in hc.argv
+    assert hc.env["HICACHE_SOCKET"] == engine.env["HICACHE_SOCKET"] != "/run/hicache/hicache.sock"
+    assert f"--sidecar={hc.env['HICACHE_SOCKET']}" in engine.argv
+    port = local.ports[("redis", "6379")]
+    assert redis.argv[:3] == ["redis-server", "--port", str(port)]
+    assert f"127.0.0.1:{port}" in hc.env["HICACHE_STORAGE_BACKEND_EXTRA_CONFIG"]
+    assert local.order().index("redis") < local.order().index("hicache") < local.order().index("engine")
+
+
+def test_compose_runs_as_local_processes_and_the_engine_passes():
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    compose, image = load()
+    workdir = Path(tempfile.mkdtemp(prefix="hc"))  # short: socket paths must fit in 108 bytes
+    try:
+        local = LocalCompose(compose, image, workdir)
+        first, rc = local.up(timeout=240)
+        out = local.tail("engine", 60)
+        assert (first, rc) == ("engine", 0), f"{first} exited {rc}\n{out}\n--- hicache:\n{local.tail('hicache')}"
+        assert "result: all checks passed" in out
+        storage = next(line for line in out.splitlines() if "storage tier " in line and "%" in line)
+        assert int(storage.split()[2]) > 0, out  # pages came back from Redis
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _docker_ready() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    probes = (["docker", "info"], ["docker", "compose", "version"])
+    return all(subprocess.run(p, capture_output=True, timeout=30).returncode == 0 for p in probes)
+
+
+def test_docker_compose_up_exits_0():
+    if not _docker_ready():
+        pytest.skip("no reachable Docker engine with the compose plugin")
+    cmd = ["docker", "compose", "-f", str(ROOT / "docker-compose.yml"), "-p", "hicache-test"]
+    try:
+        r = subprocess.run(
+            [*cmd, "up", "--build", "--abort-on-container-exit", "--exit-code-from", "engine"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+        assert "result: all checks passed" in r.stdout
+    finally:
+        subprocess.run([*cmd, "down", "-v"], cwd=ROOT, capture_output=True, timeout=300)
