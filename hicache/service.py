@@ -26,6 +26,7 @@ from hicache.pools import HostKVPool
 from hicache.registration import check_geometry, map_device
 from hicache.request_cache import RequestCache, fingerprint
 from hicache.service_types import (
+    IO_BACKENDS,
     EvictResult,
     KeyStatus,
     LookupResult,
@@ -147,6 +148,7 @@ class HiCacheService:
             self.config.hierarchy.build(host, tier),
             max_batch=self.config.max_batch,
             finished_ops_kept=self.config.finished_ops_kept,
+            io_backend=IO_BACKENDS[self.config.io_backend],
         )
         with self._lock:
             self._pools[identity.pool_id] = pool

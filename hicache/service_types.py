@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
 
 from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry
 from hicache.pools.layouts import LAYOUTS
+
+# --hicache-io-backend value -> TransferEngine backend
+IO_BACKENDS: dict[str, Literal["auto", "torch", "triton"]] = {"auto": "auto", "direct": "torch", "kernel": "triton"}
 
 
 class StateError(RuntimeError):
@@ -73,8 +77,11 @@ class ServiceConfig:
     max_pools: int = 64
     request_cache_size: int = 4096
     finished_ops_kept: int = 256
+    io_backend: str = "auto"  # SGLang's --hicache-io-backend: direct (torch copies), kernel (Triton), auto
 
     def __post_init__(self) -> None:
+        if self.io_backend not in IO_BACKENDS:
+            raise ValueError(f"unknown io backend {self.io_backend!r}; expected one of {list(IO_BACKENDS)}")
         if self.host_layout not in LAYOUTS:
             raise ValueError(f"unknown host layout {self.host_layout!r}; expected one of {list(LAYOUTS)}")
         if self.lease_timeout_s <= 0:

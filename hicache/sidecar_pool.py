@@ -30,6 +30,7 @@ from hicache.service_types import (
     TransferResult,
 )
 from hicache.transfer import TransferEngine
+from hicache.transfer.engine import Backend
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class RegisteredPool:
         *,
         max_batch: int,
         finished_ops_kept: int,
+        io_backend: Backend = "auto",
         clock: Callable[[], float] = time.monotonic,
     ):
         assert isinstance(cache.pool, HostKVPool)
@@ -64,7 +66,7 @@ class RegisteredPool:
         self.device = device
         self.cache = cache
         self.host: HostKVPool = cache.pool
-        self.engine = TransferEngine(device, self.host)
+        self.engine = TransferEngine(device, self.host, io_backend)
         self.geometry = device.geometry
         self.max_batch = max_batch
         self.counters = Counters()

@@ -14,7 +14,7 @@ from hicache.geometry import KVGeometry
 from hicache.hf_config import model_geometries
 from hicache.paths import default_socket_path
 from hicache.pools.layouts import LAYOUTS
-from hicache.service_types import ServiceConfig
+from hicache.service_types import IO_BACKENDS, ServiceConfig
 
 from .envflags import document, env_argv
 from .logs import LOG_FORMATS
@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hicache-mem-layout", default="layer_first", choices=LAYOUTS, help="host pool layout (SGLang names)"
     )
+    p.add_argument(
+        "--hicache-io-backend",
+        default="auto",
+        choices=list(IO_BACKENDS),
+        help="device<->host copies: direct (torch copies), kernel (Triton kernels), auto (kernel on CUDA)",
+    )
     HiCacheConfig.add_arguments(p)
     p.add_argument(
         "--lease-timeout", type=float, default=30.0, help="seconds before a silent client's pool is reclaimed"
@@ -114,6 +120,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         expected=expected,
         hierarchy=HiCacheConfig.from_args(args),
         host_layout=args.hicache_mem_layout,
+        io_backend=args.hicache_io_backend,
         lease_timeout_s=args.lease_timeout,
         max_batch=args.max_batch,
     )

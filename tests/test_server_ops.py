@@ -52,11 +52,13 @@ def test_every_flag_can_come_from_the_environment_and_the_command_line_wins():
         "HICACHE_INSECURE": "true",
         "HICACHE_METRICS_PORT": "9400",
         "HICACHE_LOG_FORMAT": "json",
+        "HICACHE_IO_BACKEND": "direct",
     }
     config, level = parse_args(["--hicache-ratio", "4"], env)
     assert config.socket == "/tmp/x/hc.sock" and config.listen == "127.0.0.1:0" and config.insecure
     assert config.service.hierarchy.ratio == 4.0 and config.service.hierarchy.storage_backend == "none"
     assert config.metrics_port == 9400 and config.log_format == "json" and level == "INFO"
+    assert config.service.io_backend == "direct"
     assert parse_args([], {"HICACHE_RATIO": "3.5", "HICACHE_STORAGE_BACKEND": "none"})[0].service.hierarchy.ratio == 3.5
     with pytest.raises(ValueError, match="HICACHE_INSECURE='maybe'"):
         parse_args([], {"HICACHE_INSECURE": "maybe"})
@@ -77,6 +79,7 @@ def test_help_documents_every_flag_with_sglang_names():
         "--hicache-storage-backend",
         "--hicache-storage-prefetch-policy",
         "--hicache-storage-backend-extra-config",
+        "--hicache-io-backend",
         "--page-size",
         "--metrics-port",
         "--log-level",
@@ -145,7 +148,7 @@ def test_metrics_count_pages_bytes_tiers_and_rpc_latency(sockdir):
 
 def test_health_is_not_serving_while_the_storage_tier_is_down(sockdir):
     hierarchy = HiCacheConfig(storage_backend="redis", extra_config={"url": "redis://127.0.0.1:1/0", "timeout_s": 0.2})
-    svc = ServiceConfig(expected=mimo_geometries(), hierarchy=hierarchy)
+    svc = ServiceConfig(expected=mimo_geometries(), hierarchy=hierarchy, io_backend="kernel")
     srv, address = create_server(
         ServerConfig(socket=os.path.join(sockdir, "hc.sock"), service=svc, health_interval_s=0.05)
     )
@@ -154,6 +157,7 @@ def test_health_is_not_serving_while_the_storage_tier_is_down(sockdir):
         dev = filled_device(4)
         with HiCacheClient(address) as client:
             client.register(dev, model_id="mimo@test")
+            assert srv.service.pool_snapshots()[0].engine.backend == "triton"  # --hicache-io-backend kernel
             for _ in range(400):
                 if check_health(address) == "NOT_SERVING":
                     break
@@ -169,6 +173,11 @@ def test_health_is_not_serving_while_the_storage_tier_is_down(sockdir):
         dev.close()
     finally:
         srv.stop(0)
+
+
+def test_io_backend_names_are_checked():
+    with pytest.raises(ValueError, match="'dma'"):
+        ServiceConfig(io_backend="dma")
 
 
 def test_json_logs_are_one_object_a_line():

@@ -119,7 +119,9 @@ def summary(tally: Tally, pools: list[PoolStats], elapsed_s: float) -> str:
     backends = {s.storage_backend for s in pools}
     held = sum(tier.bytes for s in pools for tier in s.tiers if tier.tier.value == "storage")
     healthy = all(s.storage_healthy for s in pools)
-    row("storage tier", f"{'/'.join(sorted(backends))}: {held / 1e9:.3f} GB held, {'healthy' if healthy else 'DOWN'}")
+    row(
+        "storage backend", f"{'/'.join(sorted(backends))}: {held / 1e9:.3f} GB held, {'healthy' if healthy else 'DOWN'}"
+    )
     for s in pools:
         row(
             f"transfer GB/s [{s.group}] offload / reload",
