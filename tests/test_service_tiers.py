@@ -266,3 +266,28 @@ def test_prefetch_and_watch_over_grpc(tmp_path):
     finally:
         srv.stop(0)
         dev.close()
+
+
+def test_tensor_parallel_ranks_do_not_share_stored_pages(tmp_path):
+    """Ranks hold different KV heads under the same page keys: rank 1 must never be served
+    rank 0's stored page."""
+    dev = filled_device(2)
+    svc = service(tmp_path)
+    rank0 = svc.register(
+        "r0", geometry=dev.geometry, device_pages=2, device_memory=dev.handle, model_id=MODEL, tp_rank=0, tp_size=2
+    )
+    assert isinstance(rank0, PoolInfo)
+    ks = keys(2)
+    svc.offload("o", rank0.pool_id, ks, [0, 1])
+    assert svc.pool(rank0.pool_id).cache.flush(30)
+    rank1 = svc.register(
+        "r1", geometry=dev.geometry, device_pages=2, device_memory=dev.handle, model_id=MODEL, tp_rank=1, tp_size=2
+    )
+    assert isinstance(rank1, PoolInfo)
+    assert svc.lookup(rank1.pool_id, ks).tiers == (Tier.NONE,) * 2
+    with pytest.raises(ValueError, match="tp_rank must be an int in \\[0, tp_size=2\\), got 2"):
+        svc.register(
+            "r2", geometry=dev.geometry, device_pages=2, device_memory=dev.handle, model_id=MODEL, tp_rank=2, tp_size=2
+        )
+    svc.close()
+    dev.close()
