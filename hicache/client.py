@@ -122,9 +122,13 @@ class HiCacheClient:
         group: str = "full",
         key_hash: HashName = "sha256",
         cuda_device: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> RegisteredPool:
         """Register `device_pool` (one KV group) and make it the default pool. The pool must be
-        shareable: a CPU pool in shared memory or a CUDA pool exported with CUDA IPC."""
+        shareable: a CPU pool in shared memory or a CUDA pool exported with CUDA IPC. With
+        tensor parallelism each rank registers its own pool with its tp_rank: ranks hold
+        different KV heads under the same page keys, so their stored pages are kept apart."""
         if not isinstance(namespace, str):
             raise ValueError(f"namespace must be a str, got {type(namespace).__name__}")
         g = device_pool.geometry
@@ -137,6 +141,8 @@ class HiCacheClient:
             namespace=namespace,
             model_id=model_id,
             key_hash=key_hash,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
         )
         r = self._call(self._stub.RegisterPool, request)
         info = RegisteredPool(

@@ -70,6 +70,8 @@ class HiCacheService:
         model_id: str = "",
         key_hash: str = "sha256",
         cuda_device: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> PoolInfo | NoSpace:
         """Validate the geometry, map the device memory, create the host pool.
 
@@ -78,14 +80,32 @@ class HiCacheService:
         reached or the host memory does not fit.
         """
         args = fingerprint(
-            geometry.to_dict(), device_pages, repr(device_memory), group, namespace, model_id, key_hash, cuda_device
+            geometry.to_dict(),
+            device_pages,
+            repr(device_memory),
+            group,
+            namespace,
+            model_id,
+            key_hash,
+            cuda_device,
+            tp_rank,
+            tp_size,
         )
         return self._requests.run(
             ("register", ""),
             request_id,
             args,
             lambda: self._register(
-                geometry, device_pages, device_memory, group, namespace, model_id, key_hash, cuda_device
+                geometry,
+                device_pages,
+                device_memory,
+                group,
+                namespace,
+                model_id,
+                key_hash,
+                cuda_device,
+                tp_rank,
+                tp_size,
             ),
         )
 
@@ -99,6 +119,8 @@ class HiCacheService:
         model_id: str,
         key_hash: str,
         cuda_device: int,
+        tp_rank: int,
+        tp_size: int,
     ) -> PoolInfo | NoSpace:
         check_geometry(self.config.expected, group, geometry)
         if isinstance(device_pages, bool) or not isinstance(device_pages, int) or device_pages < 1:
@@ -113,6 +135,10 @@ class HiCacheService:
                 "model_id must name the model and its revision when a storage tier is configured "
                 f"(backend {self.config.hierarchy.storage_backend!r}), got ''"
             )
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
         need = geometry.pool_bytes(device_pages)
         if memory.nbytes != need:
             raise ValueError(
@@ -132,7 +158,9 @@ class HiCacheService:
         try:
             host = HostKVPool(geometry, host_pages, self.config.host_layout)
             try:
-                tier = self.config.hierarchy.make_tier(geometry, model_id or "unnamed", namespace)
+                tier = self.config.hierarchy.make_tier(
+                    geometry, stored_model_id(model_id or "unnamed", tp_rank, tp_size), namespace
+                )
             except BaseException:
                 host.close()
                 raise
@@ -366,3 +394,9 @@ def _prefetch_events(handle: PrefetchHandle, cancelled: Callable[[], bool], poll
         else:
             yield OpEvent("done", 0, status.done, status.total)
         return
+
+
+def stored_model_id(model_id: str, tp_rank: int, tp_size: int) -> str:
+    """The model identity stored pages carry: with tensor parallelism each rank caches other
+    KV heads under the same page keys, so the rank is part of it."""
+    return model_id if tp_size == 1 else f"{model_id}|tp{tp_rank}of{tp_size}"

@@ -72,6 +72,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             model_id=request.model_id,
             key_hash=request.key_hash or "sha256",
             cuda_device=request.device_memory.cuda_device,
+            tp_rank=request.tp_rank,
+            tp_size=request.tp_size or 1,
         )
         if isinstance(info, NoSpace):
             raise Exhausted(info.reason)
