@@ -12,13 +12,16 @@ One registration covers one KV group (one KVGeometry). A hybrid model registers 
 group's pool (group="full", group="swa") and passes pool=... to the other calls; calls
 without pool= go to the most recently registered pool. Keys are bytes, namespaces str.
 Every call has a deadline (`timeout` s); mutating calls carry a request id and are retried
-on UNAVAILABLE with the same id, which the sidecar answers idempotently.
+on UNAVAILABLE with the same id, which the sidecar answers idempotently. Only register()
+waits for a sidecar that is not up yet; any other call to a dead sidecar fails at once with
+UNAVAILABLE (after its retries), well within its deadline.
 Failed calls raise HiCacheRpcError with the gRPC status code and the sidecar's message.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -77,7 +80,13 @@ class HiCacheClient:
         self.retries = retries
         self._channel = grpc.insecure_channel(
             self.target,
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+                # a restarted sidecar is found again within a second, not after a long backoff
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
         )
         self._stub = pb_grpc.HiCacheStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
@@ -87,15 +96,19 @@ class HiCacheClient:
         self._keepalive: threading.Thread | None = None
 
     # ---- plumbing -------------------------------------------------------------------------------
-    def _call(self, method: Callable[..., T], request: Any, *, retry: bool = True) -> T:
-        """One call with the deadline; waits for the sidecar to come up unless retry is False."""
+    def _call(self, method: Callable[..., T], request: Any, *, retry: bool = True, wait: bool = False) -> T:
+        """One call with the deadline. `wait`: wait (up to the deadline) for a sidecar that is
+        not up yet, for the first contact; otherwise a sidecar that is down fails the call at
+        once with UNAVAILABLE, so an engine never stalls a forward pass on a dead cache.
+        `retry`: an UNAVAILABLE call is retried (same request id) `retries` times."""
         attempts = 1 + (self.retries if retry else 0)
         for attempt in range(attempts):
             try:
-                return method(request, timeout=self.timeout, metadata=self._metadata, wait_for_ready=retry)
+                return method(request, timeout=self.timeout, metadata=self._metadata, wait_for_ready=wait)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
+                    time.sleep(min(self.timeout, 0.02 * 2**attempt))
                     continue  # same request id: the sidecar answers a retry idempotently
                 raise HiCacheRpcError(code, exc.details() or "") from None
         raise AssertionError("unreachable")
@@ -144,7 +157,7 @@ class HiCacheClient:
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
-        r = self._call(self._stub.RegisterPool, request)
+        r = self._call(self._stub.RegisterPool, request, wait=True)
         info = RegisteredPool(
             r.pool_id,
             group,

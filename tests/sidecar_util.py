@@ -55,3 +55,14 @@ def shm_exists(name: str) -> bool:
 
 def pages_of(pool: DeviceKVPool, pages: list[int]) -> list[torch.Tensor]:
     return [pool.read_page(p).clone() for p in pages]
+
+
+def zero_pages(pool: DeviceKVPool, pages: range | list[int]) -> None:
+    """Overwrite whole pages with zero bytes (every layer and buffer)."""
+    zeros = bytes(pool.geometry.page_bytes)
+    for p in pages:
+        pool.write_page(p, zeros)
+
+
+def all_zero(pool: DeviceKVPool, pages: range | list[int]) -> bool:
+    return all(not pool.read_page(p).any() for p in pages)

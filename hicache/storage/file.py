@@ -53,6 +53,7 @@ class FileTier(StorageTier):
         self._lock = threading.Lock()  # guards _index and _total; held for index changes and unlinks
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recent first
         self._total = 0
+        self._disk_full = False  # the last batch hit ENOSPC; cleared by a batch that did not
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
 
@@ -144,6 +145,8 @@ class FileTier(StorageTier):
         if self.max_bytes is not None and items and fmt.stored_size(self.identity, items[0][0]) > self.max_bytes:
             self._count(write_failures=len(items), no_space=len(items))
             return [False] * len(items)
+        with self._stats_lock:
+            no_space_before = self._counters.no_space
         written: list[tuple[int, Path, Path]] = []  # (item index, tmp, final)
         ok = [False] * len(items)
         for i, ((key, data), header) in enumerate(zip(items, headers, strict=True)):
@@ -175,6 +178,10 @@ class FileTier(StorageTier):
                 if ok[i]:
                     self._evict_locked(keep=items[i][0])
         n_ok = sum(ok)
+        with self._stats_lock:
+            full_now = self._counters.no_space > no_space_before
+        if n_ok or full_now:
+            self._disk_full = full_now
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes)
         return ok
 
@@ -237,8 +244,13 @@ class FileTier(StorageTier):
 
     # ---- status -------------------------------------------------------------------------------
     def health(self) -> TierHealth:
-        ok = os.access(self.root, os.W_OK)
-        return TierHealth(ok, "" if ok else f"{self.root} is not writable")
+        """Unhealthy while the folder is not writable, or while the disk is full (from a
+        write that failed with ENOSPC/EDQUOT until one succeeds); reads still serve."""
+        if not os.access(self.root, os.W_OK):
+            return TierHealth(False, f"{self.root} is not writable")
+        if self._disk_full:
+            return TierHealth(False, f"{self.root}: disk full, page writes fail (reads still serve)")
+        return TierHealth(True)
 
     def _fill_stats(self, snap: TierStats) -> None:
         with self._lock:
