@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 import tempfile
 import threading
 import weakref
@@ -94,10 +95,13 @@ def open_shm(name: str, nbytes: int) -> SharedBuffer:
     Raises ValueError for a malformed name or a size mismatch, FileNotFoundError if absent.
     """
     _check_nbytes(nbytes)
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
         raise ValueError(f"invalid shared-memory name {name!r}")
     path = os.path.join(shm_dir(), name)
-    size = os.stat(path).st_size
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):  # a folder or a symlink planted to map some other file
+        raise ValueError(f"shared memory {name!r} is not a regular file")
+    size = st.st_size
     if size != nbytes:
         raise ValueError(f"shared memory {name!r} holds {size} bytes, expected {nbytes}")
     tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
@@ -113,6 +117,10 @@ def _unlink(path: str) -> None:
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def cuda_device_count() -> int:
+    return torch.cuda.device_count() if cuda_available() else 0
 
 
 def _cupy() -> Any:

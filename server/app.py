@@ -17,11 +17,11 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hicache.rpc import hicache_pb2 as pb
-from hicache.rpc import hicache_pb2_grpc as pb_grpc
 from hicache.service import HiCacheService
 
 from .auth import TokenInterceptor
 from .config import ServerConfig, build_parser, parse_args
+from .decoding import add_servicer
 from .envflags import unknown_variables
 from .health_monitor import HealthMonitor
 from .logs import configure_logging
@@ -122,7 +122,7 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
         interceptors=interceptors,
         options=options,
     )
-    pb_grpc.add_HiCacheServicer_to_server(HiCacheServicer(service), server)
+    add_servicer(HiCacheServicer(service), server)  # undecodable requests: INVALID_ARGUMENT
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
