@@ -32,6 +32,7 @@ import numpy as np
 
 from hicache import wire
 from hicache.client_handles import HiCacheRpcError, ReloadHandle
+from hicache.client_tls import ClientTls
 from hicache.keys import HashName, page_keys
 from hicache.pools import DeviceKVPool
 from hicache.rpc import hicache_pb2 as pb
@@ -46,7 +47,7 @@ from hicache.service_types import (
     TransferResult,
 )
 
-__all__ = ["HiCacheClient", "HiCacheRpcError", "RegisteredPool", "ReloadHandle", "page_keys"]
+__all__ = ["ClientTls", "HiCacheClient", "HiCacheRpcError", "RegisteredPool", "ReloadHandle", "page_keys"]
 T = TypeVar("T")
 
 
@@ -74,20 +75,31 @@ def _target(target: str) -> str:
 class HiCacheClient:
     """A connection to one sidecar. Thread-safe; close() unregisters this client's pools."""
 
-    def __init__(self, target: str, token: str | None = None, *, timeout: float = 30.0, retries: int = 2):
+    def __init__(
+        self,
+        target: str,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 2,
+        tls: ClientTls | None = None,
+    ):
+        """`target`: "unix:///path", "/path" or "host:port"; `token`: the sidecar's --token;
+        `tls`: CA (and, for mutual TLS, a client certificate) for a sidecar serving TCP over TLS."""
         self.target = _target(target)
         self.timeout = timeout
         self.retries = retries
-        self._channel = grpc.insecure_channel(
-            self.target,
-            options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.max_send_message_length", 64 << 20),
-                # a restarted sidecar is found again within a second, not after a long backoff
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        options = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            # a restarted sidecar is found again within a second, not after a long backoff
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        if tls is None:
+            self._channel = grpc.insecure_channel(self.target, options=options)
+        else:
+            self._channel = grpc.secure_channel(self.target, tls.credentials(), options=options + tls.options())
         self._stub = pb_grpc.HiCacheStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._pools: dict[str, RegisteredPool] = {}

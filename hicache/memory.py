@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import signal
 import stat
 import tempfile
 import threading
@@ -75,18 +76,56 @@ def _check_nbytes(nbytes: int) -> None:
 
 
 def create_shm(nbytes: int) -> SharedBuffer:
-    """Create a new shared-memory segment, mode 0600, unlinked on close or at exit."""
+    """Create a new shared-memory segment, mode 0600 (whatever the umask), with an
+    unpredictable name (96 random bits), unlinked on close, at exit, and on a SIGTERM the
+    process does not handle itself (see _unlink_on_sigterm)."""
     _check_nbytes(nbytes)
     name = SHM_PREFIX + secrets.token_hex(12)
     path = os.path.join(shm_dir(), name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
+        os.fchmod(fd, 0o600)  # exactly owner read/write, whatever the umask
         os.ftruncate(fd, nbytes)
     finally:
         os.close(fd)
-    tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    tensor.zero_()  # fault every page in now, not on the first transfer
-    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: _unlink(path))
+    _LIVE_SEGMENTS.add(path)
+    _unlink_on_sigterm()
+    try:
+        tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        tensor.zero_()  # fault every page in now, not on the first transfer
+    except BaseException:
+        _release_segment(path)
+        raise
+    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: _release_segment(path))
+
+
+# Segments this process created and has not unlinked yet. A set's add/discard/copy are atomic
+# under the GIL, so the SIGTERM handler reads it without a lock (a lock could deadlock there).
+_LIVE_SEGMENTS: set[str] = set()
+
+
+def _release_segment(path: str) -> None:
+    _LIVE_SEGMENTS.discard(path)
+    _unlink(path)
+
+
+def _unlink_on_sigterm() -> None:
+    """Make SIGTERM unlink this process's segments before it dies. Installed only where
+    SIGTERM still has its default action (the process would die without running atexit or
+    finalizers): a process with its own handler (the sidecar) shuts down through it instead.
+    After unlinking, the default action runs, so the exit status is still "killed by SIGTERM"."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        for path in list(_LIVE_SEGMENTS):
+            _unlink(path)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def open_shm(name: str, nbytes: int) -> SharedBuffer:

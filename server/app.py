@@ -101,6 +101,23 @@ def _prepare_socket(path: str) -> None:
     raise ValueError(f"a server already listens on {path}")
 
 
+def tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """Server credentials from --tls-cert/--tls-key (and --tls-client-ca for mTLS), or None."""
+    if not config.tls_cert or not config.tls_key:
+        return None
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    client_ca = read(config.tls_client_ca) if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(read(config.tls_key), read(config.tls_cert))],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
 def create_server(config: ServerConfig, service: HiCacheService | None = None) -> tuple[HiCacheServer, str]:
     """Start a sidecar on config.socket (mode 0600) and, when given, config.listen.
 
@@ -134,7 +151,8 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
     try:
         server.add_insecure_port(address)
         if config.listen:
-            port = server.add_insecure_port(config.listen)
+            creds = tls_credentials(config)
+            port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
             if port == 0:
                 raise ValueError(f"cannot listen on {config.listen}")
             addresses.append(f"{config.listen.rpartition(':')[0]}:{port}")

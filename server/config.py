@@ -39,6 +39,9 @@ class ServerConfig:
     metrics_host: str = "0.0.0.0"
     health_interval_s: float = 5.0  # how often the storage tiers' health is checked
     log_format: str = "text"
+    tls_cert: str | None = None  # PEM certificate chain for --listen (TLS)
+    tls_key: str | None = None  # its PEM private key
+    tls_client_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -47,8 +50,11 @@ class ServerConfig:
             host, sep, port = self.listen.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
                 raise ValueError(f"--listen must be HOST:PORT, got {self.listen!r}")
-            if not self.token and not self.insecure:
-                raise ValueError(f"--listen {self.listen} without --token: pass a token, or --insecure to allow it")
+            if not self.token and not self.insecure and not self.tls_client_ca:
+                raise ValueError(
+                    f"--listen {self.listen} without --token: pass a token (or --tls-client-ca), or --insecure to allow it"
+                )
+        check_tls(self.listen, self.tls_cert, self.tls_key, self.tls_client_ca)
         if self.token is not None and not self.token:
             raise ValueError("token must be non-empty")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -59,6 +65,23 @@ class ServerConfig:
             raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.grace_s < 0 or self.workers < 1:
             raise ValueError(f"grace_s must be >= 0 and workers >= 1, got {self.grace_s} and {self.workers}")
+
+
+def check_tls(listen: str | None, cert: str | None, key: str | None, client_ca: str | None) -> None:
+    """Raises ValueError for TLS options without --listen, a cert without its key (or the
+    reverse), --tls-client-ca without a cert, or a file that cannot be read."""
+    given = {n: v for n, v in (("--tls-cert", cert), ("--tls-key", key), ("--tls-client-ca", client_ca)) if v}
+    if not given:
+        return
+    if listen is None:
+        raise ValueError(f"{', '.join(given)} need --listen: the Unix socket is local and needs no TLS")
+    if bool(cert) != bool(key):
+        raise ValueError(f"--tls-cert and --tls-key go together, got only {next(iter(given))}")
+    if client_ca and not cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    for flag, path in given.items():
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise ValueError(f"{flag} {path!r} is not a readable file")
 
 
 def expected_geometries(model_config: str, *, tp_size: int, page_size: int, dtype: str) -> dict[str, KVGeometry]:
@@ -102,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
     p.add_argument("--health-interval", type=float, default=5.0, help="seconds between storage tier health checks")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve --listen over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None, help="PEM CA bundle: require client certificates it signed (mTLS)")
     return document(p)
 
 
@@ -135,5 +161,8 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         metrics_host=args.metrics_host,
         health_interval_s=args.health_interval,
         log_format=args.log_format,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
     )
     return config, args.log_level
