@@ -2,9 +2,62 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hicache.geometry import KVGeometry
+from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, MemoryHandle, cuda_available, cuda_device_count
 from hicache.pools import DeviceKVPool
+
+
+@dataclass(frozen=True)
+class PoolRequest:
+    """What an engine registers: one KV group's device pool and how its pages are keyed."""
+
+    geometry: KVGeometry
+    device_pages: int
+    device_memory: MemoryHandle
+    group: str = "full"
+    namespace: str = ""
+    model_id: str = ""
+    key_hash: str = "sha256"
+    cuda_device: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def check(self, expected: dict[str, KVGeometry] | None, storage_backend: str) -> None:
+        """Raises ValueError naming the first bad value; nothing is mapped or allocated yet."""
+        check_geometry(expected, self.group, self.geometry)
+        if isinstance(self.device_pages, bool) or not isinstance(self.device_pages, int) or self.device_pages < 1:
+            raise ValueError(f"device_pages must be an int >= 1, got {self.device_pages!r}")
+        if self.key_hash not in KEY_BYTES:
+            raise ValueError(f"unknown key hash {self.key_hash!r}; expected one of {list(KEY_BYTES)}")
+        for name, value in (("namespace", self.namespace), ("model_id", self.model_id)):
+            if not isinstance(value, str):
+                raise ValueError(f"{name} must be a str, got {type(value).__name__}")
+        if not self.model_id and storage_backend != "none":
+            raise ValueError(
+                "model_id must name the model and its revision when a storage tier is configured "
+                f"(backend {storage_backend!r}), got ''"
+            )
+        tp_size, tp_rank = self.tp_size, self.tp_rank
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
+        need = self.geometry.pool_bytes(self.device_pages)
+        if self.device_memory.nbytes != need:
+            raise ValueError(
+                f"device memory holds {self.device_memory.nbytes} bytes but {self.device_pages} pages "
+                f"of this geometry need {need}"
+            )
+
+    @property
+    def stored_model_id(self) -> str:
+        """The model identity stored pages carry. With tensor parallelism each rank caches other
+        KV heads under the same page keys, so the rank is part of it."""
+        model = self.model_id or "unnamed"
+        return model if self.tp_size == 1 else f"{model}|tp{self.tp_rank}of{self.tp_size}"
 
 
 def check_geometry(expected: dict[str, KVGeometry] | None, group: str, geometry: KVGeometry) -> None:

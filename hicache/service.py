@@ -23,7 +23,7 @@ from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, MemoryHandle, shm_dir
 from hicache.operations import Operation
 from hicache.pools import HostKVPool
-from hicache.registration import check_geometry, map_device
+from hicache.registration import PoolRequest, check_geometry, map_device
 from hicache.request_cache import RequestCache, fingerprint
 from hicache.service_types import (
     IO_BACKENDS,
@@ -73,78 +73,21 @@ class HiCacheService:
         tp_rank: int = 0,
         tp_size: int = 1,
     ) -> PoolInfo | NoSpace:
-        """Validate the geometry, map the device memory, create the host pool.
+        """Validate the geometry, map the device memory, create the host pool and its tier.
 
         Raises ValueError naming each geometry field that differs from the expected one, or
-        a bad page count, memory handle or key hash. Returns NoSpace when the pool limit is
-        reached or the host memory does not fit.
+        a bad page count, memory handle, key hash, model id or TP rank. Returns NoSpace when
+        the pool limit is reached or the host memory does not fit.
         """
-        args = fingerprint(
-            geometry.to_dict(),
-            device_pages,
-            repr(device_memory),
-            group,
-            namespace,
-            model_id,
-            key_hash,
-            cuda_device,
-            tp_rank,
-            tp_size,
+        req = PoolRequest(
+            geometry, device_pages, device_memory, group, namespace, model_id, key_hash, cuda_device, tp_rank, tp_size
         )
-        return self._requests.run(
-            ("register", ""),
-            request_id,
-            args,
-            lambda: self._register(
-                geometry,
-                device_pages,
-                device_memory,
-                group,
-                namespace,
-                model_id,
-                key_hash,
-                cuda_device,
-                tp_rank,
-                tp_size,
-            ),
-        )
+        return self._requests.run(("register", ""), request_id, fingerprint(repr(req)), lambda: self._register(req))
 
-    def _register(
-        self,
-        geometry: KVGeometry,
-        device_pages: int,
-        memory: MemoryHandle,
-        group: str,
-        namespace: str,
-        model_id: str,
-        key_hash: str,
-        cuda_device: int,
-        tp_rank: int,
-        tp_size: int,
-    ) -> PoolInfo | NoSpace:
-        check_geometry(self.config.expected, group, geometry)
-        if isinstance(device_pages, bool) or not isinstance(device_pages, int) or device_pages < 1:
-            raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
-        if key_hash not in KEY_BYTES:
-            raise ValueError(f"unknown key hash {key_hash!r}; expected one of {list(KEY_BYTES)}")
-        for name, value in (("namespace", namespace), ("model_id", model_id)):
-            if not isinstance(value, str):
-                raise ValueError(f"{name} must be a str, got {type(value).__name__}")
-        if not model_id and self.config.hierarchy.storage_backend != "none":
-            raise ValueError(
-                "model_id must name the model and its revision when a storage tier is configured "
-                f"(backend {self.config.hierarchy.storage_backend!r}), got ''"
-            )
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
-        need = geometry.pool_bytes(device_pages)
-        if memory.nbytes != need:
-            raise ValueError(
-                f"device memory holds {memory.nbytes} bytes but {device_pages} pages of this geometry need {need}"
-            )
-        host_pages = self.config.host_pages_for(geometry, device_pages)
+    def _register(self, req: PoolRequest) -> PoolInfo | NoSpace:
+        req.check(self.config.expected, self.config.hierarchy.storage_backend)
+        geometry = req.geometry
+        host_pages = self.config.host_pages_for(geometry, req.device_pages)
         host_bytes = geometry.pool_bytes(host_pages)
         with self._lock:
             if self._closed:
@@ -154,13 +97,11 @@ class HiCacheService:
         free = shutil.disk_usage(shm_dir()).free
         if host_bytes > free:
             return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
-        device = map_device(geometry, device_pages, memory, cuda_device, self._ipc)
+        device = map_device(geometry, req.device_pages, req.device_memory, req.cuda_device, self._ipc)
         try:
             host = HostKVPool(geometry, host_pages, self.config.host_layout)
             try:
-                tier = self.config.hierarchy.make_tier(
-                    geometry, stored_model_id(model_id or "unnamed", tp_rank, tp_size), namespace
-                )
+                tier = self.config.hierarchy.make_tier(geometry, req.stored_model_id, req.namespace)
             except BaseException:
                 host.close()
                 raise
@@ -168,7 +109,12 @@ class HiCacheService:
             device.close()
             raise
         identity = PoolIdentity(
-            "pool-" + secrets.token_hex(8), group, namespace, model_id, key_hash, KEY_BYTES[key_hash]
+            "pool-" + secrets.token_hex(8),
+            req.group,
+            req.namespace,
+            req.model_id,
+            req.key_hash,
+            KEY_BYTES[req.key_hash],
         )
         pool = RegisteredPool(
             identity,
@@ -188,7 +134,7 @@ class HiCacheService:
             host.layout_name,
             host.nbytes,
             geometry.fingerprint,
-            key_hash,
+            req.key_hash,
             identity.key_bytes,
             self.config.lease_timeout_s,
         )
@@ -394,9 +340,3 @@ def _prefetch_events(handle: PrefetchHandle, cancelled: Callable[[], bool], poll
         else:
             yield OpEvent("done", 0, status.done, status.total)
         return
-
-
-def stored_model_id(model_id: str, tp_rank: int, tp_size: int) -> str:
-    """The model identity stored pages carry: with tensor parallelism each rank caches other
-    KV heads under the same page keys, so the rank is part of it."""
-    return model_id if tp_size == 1 else f"{model_id}|tp{tp_rank}of{tp_size}"
