@@ -11,6 +11,7 @@ Errors follow hicache.service_types: ValueError / KeyError / StateError, and NoS
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shutil
 import threading
@@ -42,6 +43,7 @@ from hicache.service_types import (
 from hicache.sidecar_pool import PoolIdentity, RegisteredPool
 
 HEALTH_PROBE_KEY = b"hicache-health-probe"
+log = logging.getLogger("hicache.service")
 
 
 class HiCacheService:
@@ -301,6 +303,14 @@ class HiCacheService:
             if not ok:
                 down.append(f"pool {pool.identity.pool_id} storage tier {storage.backend!r} is down: {detail}")
         return not down, "; ".join(down)
+
+    def degraded_but_serving(self) -> tuple[bool, str]:
+        """healthy() for a sidecar whose storage tier is optional: logs what is down (so the
+        operator sees it) but always answers serving, since host memory still serves."""
+        ok, why = self.healthy()
+        if not ok:
+            log.warning("storage degraded, still serving from host memory: %s", why)
+        return True, ""
 
     def close(self) -> None:
         """Refuse new registrations and release every pool after its in-flight work. Idempotent."""

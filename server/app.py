@@ -163,7 +163,8 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
     finally:
         os.umask(old_umask)
     os.chmod(config.socket, 0o600)
-    monitor = HealthMonitor(service.healthy, health_servicer, ("", SERVICE_NAME), config.health_interval_s)
+    check = service.healthy if not config.storage_optional else service.degraded_but_serving
+    monitor = HealthMonitor(check, health_servicer, ("", SERVICE_NAME), config.health_interval_s)
     metrics_port = None
     if metrics is not None:
         try:

@@ -38,6 +38,7 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off, 0: any free port
     metrics_host: str = "0.0.0.0"
     health_interval_s: float = 5.0  # how often the storage tiers' health is checked
+    storage_optional: bool = False  # stay SERVING (degraded) while a storage tier is down
     log_format: str = "text"
     tls_cert: str | None = None  # PEM certificate chain for --listen (TLS)
     tls_key: str | None = None  # its PEM private key
@@ -125,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
     p.add_argument("--health-interval", type=float, default=5.0, help="seconds between storage tier health checks")
+    p.add_argument(
+        "--hicache-storage-optional",
+        action="store_true",
+        help="keep gRPC health SERVING while the storage tier is down (host memory still serves; "
+        "stats, metrics and logs report the tier); default: the tier is required, NOT_SERVING",
+    )
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve --listen over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default=None, help="PEM CA bundle: require client certificates it signed (mTLS)")
@@ -160,6 +167,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         health_interval_s=args.health_interval,
+        storage_optional=args.hicache_storage_optional,
         log_format=args.log_format,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

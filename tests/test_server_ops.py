@@ -195,3 +195,23 @@ def test_json_logs_are_one_object_a_line():
         configure_logging("LOUD")
     with pytest.raises(ValueError, match="--log-format"):
         configure_logging("INFO", "xml")
+
+
+def test_optional_storage_tier_keeps_health_serving(sockdir):
+    hierarchy = HiCacheConfig(storage_backend="redis", extra_config={"url": "redis://127.0.0.1:1/0", "timeout_s": 0.2})
+    svc = ServiceConfig(expected=mimo_geometries(), hierarchy=hierarchy)
+    config = ServerConfig(
+        socket=os.path.join(sockdir, "hc.sock"), service=svc, health_interval_s=0.05, storage_optional=True
+    )
+    srv, address = create_server(config)
+    try:
+        dev = filled_device(4)
+        with HiCacheClient(address) as client:
+            client.register(dev, model_id="mimo@test")
+            assert not srv.service.healthy()[0]  # the tier is down ...
+            srv.monitor.poll()
+            assert check_health(address) == "SERVING"  # ... and the sidecar still serves from host
+            assert not client.stats()[0].storage_healthy
+        dev.close()
+    finally:
+        srv.stop(0)
