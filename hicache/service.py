@@ -11,6 +11,7 @@ Errors follow hicache.service_types: ValueError / KeyError / StateError, and NoS
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import shutil
@@ -92,43 +93,22 @@ class HiCacheService:
         host_pages = self.config.host_pages_for(geometry, req.device_pages)
         host_bytes = geometry.pool_bytes(host_pages)
         with self._lock:
-            if self._closed:
-                raise StateError("the service is shut down")
-            if len(self._pools) >= self.config.max_pools:
-                return NoSpace(f"{len(self._pools)} pools registered, the limit is {self.config.max_pools}")
+            refusal = self._refusal_locked()
+        if refusal:
+            return self._refuse(refusal)
         free = shutil.disk_usage(shm_dir()).free
         if host_bytes > free:
             return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
-        device = map_device(geometry, req.device_pages, req.device_memory, req.cuda_device, self._ipc)
-        try:
-            host = HostKVPool(geometry, host_pages, self.config.host_layout)
-            try:
-                tier = self.config.hierarchy.make_tier(geometry, req.stored_model_id, req.namespace)
-            except BaseException:
-                host.close()
-                raise
-        except BaseException:
-            device.close()
-            raise
-        identity = PoolIdentity(
-            "pool-" + secrets.token_hex(8),
-            req.group,
-            req.namespace,
-            req.model_id,
-            req.key_hash,
-            KEY_BYTES[req.key_hash],
-        )
-        pool = RegisteredPool(
-            identity,
-            device,
-            self.config.hierarchy.build(host, tier),
-            max_batch=self.config.max_batch,
-            finished_ops_kept=self.config.finished_ops_kept,
-            io_backend=IO_BACKENDS[self.config.io_backend],
-        )
-        with self._lock:
-            self._pools[identity.pool_id] = pool
-            self._leases[identity.pool_id] = self._clock() + self.config.lease_timeout_s
+        pool = self._build_pool(req, host_pages)
+        with self._lock:  # checked again: another registration or close() may have come first
+            refusal = self._refusal_locked()
+            if not refusal:
+                self._pools[pool.identity.pool_id] = pool
+                self._leases[pool.identity.pool_id] = self._clock() + self.config.lease_timeout_s
+        if refusal:
+            pool.close()
+            return self._refuse(refusal)
+        identity, host = pool.identity, pool.host
         return PoolInfo(
             identity.pool_id,
             host_pages,
@@ -140,6 +120,51 @@ class HiCacheService:
             identity.key_bytes,
             self.config.lease_timeout_s,
         )
+
+    def _refusal_locked(self) -> str:
+        """Why a new pool cannot be added now ("" if it can); call with self._lock held."""
+        if self._closed:
+            return "the service is shut down"
+        if len(self._pools) >= self.config.max_pools:
+            return f"{len(self._pools)} pools registered, the limit is {self.config.max_pools}"
+        return ""
+
+    def _refuse(self, why: str) -> NoSpace:
+        """StateError once shut down; otherwise the pool limit, a NoSpace answer."""
+        if self._closed:
+            raise StateError(why)
+        return NoSpace(why)
+
+    def _build_pool(self, req: PoolRequest, host_pages: int) -> RegisteredPool:
+        """Map the device memory, create the host pool, its storage tier and cache; on any
+        failure, release what was made so far and re-raise."""
+        with contextlib.ExitStack() as undo:
+            device = map_device(req.geometry, req.device_pages, req.device_memory, req.cuda_device, self._ipc)
+            undo.callback(device.close)
+            host = HostKVPool(req.geometry, host_pages, self.config.host_layout)
+            undo.callback(host.close)
+            tier = self.config.hierarchy.make_tier(req.geometry, req.stored_model_id, req.namespace)
+            undo.callback(tier.close)
+            cache = self.config.hierarchy.build(host, tier)
+            undo.callback(cache.close)
+            identity = PoolIdentity(
+                "pool-" + secrets.token_hex(8),
+                req.group,
+                req.namespace,
+                req.model_id,
+                req.key_hash,
+                KEY_BYTES[req.key_hash],
+            )
+            pool = RegisteredPool(
+                identity,
+                device,
+                cache,
+                max_batch=self.config.max_batch,
+                finished_ops_kept=self.config.finished_ops_kept,
+                io_backend=IO_BACKENDS[self.config.io_backend],
+            )
+            undo.pop_all()
+            return pool
 
     def check_geometry(self, group: str, geometry: KVGeometry) -> None:
         """Raises ValueError for a group the model lacks or a geometry other than expected."""

@@ -4,11 +4,12 @@ the host index and the transfers between them. Validates everything before chang
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from hicache.batch_checks import check_keys, check_pages
@@ -72,10 +73,12 @@ class RegisteredPool:
         self.counters = Counters()
         self.lock = threading.Lock()
         self.closed = False
+        self._busy = 0  # calls and layer-wise workers in flight; close() waits for 0
+        self._idle = threading.Condition(self.lock)
+        self._released = threading.Event()  # set once close() has released everything
         self._ops = OperationTable(finished_ops_kept)
         self._prefetches: OrderedDict[str, PrefetchHandle] = OrderedDict()
         self._finished_kept = finished_ops_kept
-        self._workers: list[threading.Thread] = []
         self._clock = clock
 
     @property
@@ -83,9 +86,22 @@ class RegisteredPool:
         return self.cache.index
 
     # ---- validation (no state changes) --------------------------------------------------
-    def _open(self) -> None:
-        if self.closed:
-            raise StateError(f"pool {self.identity.pool_id} is closed")
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """Count the call as in flight (close() waits for it); StateError once closed."""
+        with self.lock:
+            if self.closed:
+                raise StateError(f"pool {self.identity.pool_id} is closed")
+            self._busy += 1
+        try:
+            yield
+        finally:
+            self._done_one()
+
+    def _done_one(self) -> None:
+        with self.lock:
+            self._busy -= 1
+            self._idle.notify_all()
 
     def check_keys(self, keys: Sequence[bytes], *, unique: bool = False) -> list[bytes]:
         return check_keys(keys, self.identity.key_bytes, self.identity.key_hash, self.max_batch, unique=unique)
@@ -100,8 +116,10 @@ class RegisteredPool:
         keys get stored). The write policy then decides what goes to storage."""
         ks = self.check_keys(keys, unique=True)
         pages = self.check_pages(device_pages, len(ks))
-        with self.lock:
-            self._open()
+        with self._in_flight():
+            return self._offload(ks, pages)
+
+    def _offload(self, ks: list[bytes], pages: list[int]) -> TransferResult:
         where = dict(zip(ks, pages, strict=True))
         res = self.cache.reserve(ks, partial=True)
         assert res is not None
@@ -134,13 +152,16 @@ class RegisteredPool:
         Not layer-wise: copies before returning (done=True). Layer-wise: returns at once
         with an op id; a worker copies one layer at a time and publishes each to Watch.
         """
-        ks = self.check_keys(keys)
+        ks = self.check_keys(keys, unique=True)
         pages = self.check_pages(device_pages, len(ks))
-        with self.lock:
-            self._open()
-            op = Operation("op-" + secrets.token_hex(8), self.geometry.layer_num)
-            self._ops.add(op)
+        with self._in_flight():
+            return self._reload(ks, pages, layerwise)
+
+    def _reload(self, ks: list[bytes], pages: list[int], layerwise: bool) -> TransferResult:
         loaded = self.cache.load(ks)
+        op = Operation("op-" + secrets.token_hex(8), self.geometry.layer_num)
+        with self.lock:
+            self._ops.add(op)
         n = len(loaded.keys)
         statuses = tuple(
             [KeyStatus.LOADED if src == "host" else KeyStatus.LOADED_FROM_STORAGE for src in loaded.sources]
@@ -158,8 +179,13 @@ class RegisteredPool:
             return TransferResult(statuses, nbytes, op.op_id, True)
         worker = threading.Thread(target=self._reload_worker, args=args, daemon=True)
         with self.lock:
-            self._workers = [w for w in self._workers if w.is_alive()] + [worker]
-        worker.start()
+            self._busy += 1  # the worker's own count, dropped when it ends
+        try:
+            worker.start()
+        except BaseException:
+            self.cache.release(loaded.keys)
+            self._done_one()
+            raise
         return TransferResult(statuses, nbytes, op.op_id, False)
 
     def _reload_worker(self, op: Operation, keys: list[bytes], host_pages: list[int], dev_pages: list[int]) -> None:
@@ -169,6 +195,7 @@ class RegisteredPool:
             pass  # already published to the operation as FAILED
         finally:
             self.cache.release(keys)
+            self._done_one()
 
     def _copy_layers(
         self, op: Operation, keys: list[bytes], host_pages: list[int], dev_pages: list[int], *, per_layer: bool
@@ -180,7 +207,7 @@ class RegisteredPool:
             if per_layer:
                 handle = self.engine.reload_async(host_pages, dev_pages)
                 for layer in range(layer_num):
-                    handle.wait_layer(layer)
+                    handle.wait_layer_host(layer)  # on CUDA too: the engine reads it once announced
                     op.layer_done(layer, layer + 1)
                 handle.wait()
                 nbytes = handle.nbytes
@@ -203,14 +230,17 @@ class RegisteredPool:
         for progress); wait_complete waits for the end; timeout waits up to its allowance and
         cancels the rest. Keys in no tier are MISSING. Raises ValueError for a bad policy."""
         ks = self.check_keys(keys)
-        with self.lock:
-            self._open()
+        with self._in_flight():
+            return self._prefetch(ks, policy)
+
+    def _prefetch(self, ks: list[bytes], policy: str | None) -> PrefetchOutcome:
         handle = self.cache.prefetch(ks, policy)
         op_id = f"pf-{handle.id}"
         with self.lock:
             self._prefetches[op_id] = handle
-            while len(self._prefetches) > self._finished_kept:
-                self._prefetches.popitem(last=False)
+            finished = [k for k, h in self._prefetches.items() if h.wait(0)]
+            for k in finished[: max(0, len(finished) - self._finished_kept)]:
+                del self._prefetches[k]  # unfinished ones stay watchable
         timed_out = False
         if handle.policy != "best_effort":
             timed_out = handle.result().timed_out
@@ -237,35 +267,31 @@ class RegisteredPool:
             raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
         if bool(ks) == bool(num_pages):
             raise ValueError(f"give either keys or num_pages, got {len(ks)} keys and num_pages={num_pages}")
-        with self.lock:
-            self._open()
-        if not ks:
-            return EvictResult((), self.cache.evict(num_pages))
-        statuses = tuple(KeyStatus[s.upper()] for s in self.cache.drop(ks))
-        return EvictResult(statuses, statuses.count(KeyStatus.EVICTED))
+        with self._in_flight():
+            if not ks:
+                return EvictResult((), self.cache.evict(num_pages))
+            statuses = tuple(KeyStatus[s.upper()] for s in self.cache.drop(ks))
+            return EvictResult(statuses, statuses.count(KeyStatus.EVICTED))
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Each key's tier, and the length of the prefix held by some tier (what a Reload can
         serve); the host-resident keys become most recently used."""
         ks = self.check_keys(keys)
-        with self.lock:
-            self._open()
-        tiers = tuple(Tier(t) for t in self.cache.lookup(ks))
+        with self._in_flight():
+            tiers = tuple(Tier(t) for t in self.cache.lookup(ks))
+            self.cache.touch(ks)
         prefix = next((i for i, t in enumerate(tiers) if t == Tier.NONE), len(tiers))
-        self.cache.touch(ks)
         return LookupResult(prefix, tiers)
 
     def pin(self, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
         ks = self.check_keys(keys)
-        with self.lock:
-            self._open()
-        return tuple(KeyStatus[s.upper()] for s in self.cache.pin_each(ks))
+        with self._in_flight():
+            return tuple(KeyStatus[s.upper()] for s in self.cache.pin_each(ks))
 
     def unpin(self, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
         ks = self.check_keys(keys)
-        with self.lock:
-            self._open()
-        return tuple(KeyStatus[s.upper()] for s in self.cache.unpin_each(ks))
+        with self._in_flight():
+            return tuple(KeyStatus[s.upper()] for s in self.cache.unpin_each(ks))
 
     def operation(self, op_id: str) -> Operation | PrefetchHandle:
         """Raises KeyError for an unknown id."""
@@ -310,17 +336,21 @@ class RegisteredPool:
         """Refuse new calls, let in-flight transfers finish, write what is queued for storage,
         then release host memory (unlink), the device mapping and the storage tier. Idempotent."""
         with self.lock:
-            if self.closed:
-                return
+            first = not self.closed
             self.closed = True
-            workers = list(self._workers)
-        for worker in workers:
-            worker.join()
-        self.cache.close()
-        self.cache.storage.close()
-        self.engine.close()
-        self.host.close()
-        self.device.close()
+            if first:
+                self._idle.wait_for(lambda: self._busy == 0)
+        if not first:  # a concurrent close() releases; return when it has
+            self._released.wait()
+            return
+        try:
+            self.cache.close()
+            self.cache.storage.close()
+            self.engine.close()
+            self.host.close()
+            self.device.close()
+        finally:
+            self._released.set()
 
     def check_integrity(self) -> None:
         with self.lock:

@@ -287,3 +287,67 @@ def test_refcounted_opens_share_and_close_once():
     assert opened == ["h"] and closed == [1] and len(table) == 0
     with pytest.raises(KeyError, match="'h'"):
         table.release("h")
+
+
+def test_reload_with_repeated_keys_is_refused_without_a_stuck_operation(setup):
+    svc, dev, info = setup
+    keys = keys_for(2)
+    svc.offload("o", info.pool_id, keys, [0, 1])
+    with pytest.raises(ValueError, match=r"keys\[1\] repeats keys\[0\]"):
+        svc.reload("r", info.pool_id, [keys[0], keys[0]], [2, 3])
+    assert svc.stats(info.pool_id)[0].ops_in_flight == 0
+    svc.check_integrity()
+
+
+def test_close_waits_for_a_call_in_flight(setup):
+    import threading
+
+    svc, dev, info = setup
+    pool = svc.pool(info.pool_id)
+    entered, release = threading.Event(), threading.Event()
+    real_offload = pool.engine.offload
+
+    def slow_offload(*args, **kwargs):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(30)
+        return real_offload(*args, **kwargs)
+
+    pool.engine.offload = slow_offload  # type: ignore[method-assign]
+    result: list[object] = []
+    call = threading.Thread(target=lambda: result.append(svc.offload("o", info.pool_id, keys_for(1), [0])))
+    call.start()
+    assert entered.wait(30)
+    closer = threading.Thread(target=lambda: svc.unregister("u", info.pool_id))
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive() and shm_exists(info.host_shm_name)  # waits: the copy still uses host memory
+    release.set()
+    call.join(30)
+    closer.join(30)
+    assert not closer.is_alive() and result and result[0].statuses == (S.STORED,)  # type: ignore[attr-defined]
+    assert not shm_exists(info.host_shm_name)
+    with pytest.raises(KeyError):
+        svc.pool(info.pool_id)
+
+
+def test_concurrent_registrations_respect_the_pool_limit():
+    import threading
+
+    svc = make_service(max_pools=1)
+    devs = [filled_device(2, seed=i) for i in range(2)]
+    barrier = threading.Barrier(2)
+    answers: list[object] = []
+
+    def reg(dev) -> None:  # type: ignore[no-untyped-def]
+        barrier.wait()
+        answers.append(svc.register(f"r{id(dev)}", geometry=dev.geometry, device_pages=2, device_memory=dev.handle))
+
+    threads = [threading.Thread(target=reg, args=(d,)) for d in devs]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert sorted(type(a).__name__ for a in answers) == ["NoSpace", "PoolInfo"]
+    assert len(svc.pool_ids) == 1
+    svc.check_integrity()
+    svc.close()
+    for d in devs:
+        d.close()

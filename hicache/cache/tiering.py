@@ -243,7 +243,11 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         sources: list[Tier] = ["host"] * len(out)
         rest = keys[len(out) :]
         if rest and self.storage.enabled:
-            got = self._load_from_storage(rest)
+            try:
+                got = self._load_from_storage(rest)
+            except BaseException:
+                self.release(out)  # the caller gets no result to release
+                raise
             out += [k for k, _ in got]
             pages += [p for _, p in got]
             sources += ["storage"] * len(got)

@@ -44,6 +44,11 @@ class TransferHandle:
         carry that layer, the copy's exception if it failed, TimeoutError after `timeout`."""
         raise NotImplementedError
 
+    def wait_layer_host(self, layer: int, timeout: float | None = None) -> None:
+        """Like wait_layer, but always blocks the calling thread until the layer's bytes are
+        in place (what a process that announces the layer to another one needs)."""
+        self.wait_layer(layer, timeout)
+
     def _position(self, layer: int) -> int:
         try:
             return self.layers.index(layer)
@@ -127,3 +132,11 @@ class CudaTransferHandle(TransferHandle):
 
         event = self.events[self._position(layer)]
         torch.cuda.current_stream().wait_event(event)
+
+    def wait_layer_host(self, layer: int, timeout: float | None = None) -> None:
+        event = self.events[self._position(layer)]
+        if timeout is not None and not event.query():
+            threading.Event().wait(timeout)
+            if not event.query():
+                raise TimeoutError(f"layer {layer} not copied after {timeout} s")
+        event.synchronize()
