@@ -88,7 +88,12 @@ def map_device(
     if memory.kind == "cuda_ipc":
         check_cuda_ipc(memory, cuda_device)
         device = f"cuda:{cuda_device}"
-        return DeviceKVPool(geometry, pages, device, memory=ipc.open(memory, device))
+        opened = ipc.open(memory, device)
+        try:
+            return DeviceKVPool(geometry, pages, device, memory=opened)
+        except BaseException:
+            opened.close()  # drops this open's reference
+            raise
     raise ValueError(f"device memory kind must be 'shm' or 'cuda_ipc', got {memory.kind!r}")
 
 

@@ -73,8 +73,14 @@ class FetchMixin(WritePolicyMixin):
         with self._lock:
             return self.index.prefix_length(keys)
 
+    def _room_locked(self, keys: list[bytes]) -> int:
+        """Pages that could be had now without evicting a resident key of `keys`."""
+        held = sum(1 for k in keys if k in self.index and not self.index.pins(k) and not self.index.refs(k))
+        return self.index.free_pages + self.index.evictable_pages - held
+
     def _reserve_locked(self, keys: list[bytes], fetch: list[bytes]) -> tuple[list[int], list[tuple[bytes, int]]]:
-        """Pages for as many of `fetch` as fit, never evicting a resident key of `keys`."""
+        """Pages for as many of `fetch` as fit, never evicting a resident key of `keys`;
+        the resident ones become most recently used."""
         held = [k for k in keys if k in self.index]
         for k in held:
             self.index.ref(k)

@@ -140,24 +140,13 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
             existing = [(k, p) for k in keys if (p := self.index.page_of(k)) is not None]
             pending = [k for k in keys if k in self._pending]
             new = [k for k in keys if k not in self.index and k not in self._pending]
-            refused: list[bytes] = []
-            for k, _ in existing:  # held so that the allocation cannot evict them
-                self.index.ref(k)
-            try:
-                if partial:
-                    room = self.index.free_pages + self.index.evictable_pages
-                    new, refused = new[:room], new[room:]
-                got = self.index.allocate(len(new))
-            finally:
-                for k, _ in existing:  # back in the LRU order as most recently used
-                    self.index.unref(k)
-            if got is None:
+            if not partial and len(new) > self._room_locked(keys):
                 return None
-            pages, evicted = got
+            pages, backups = self._reserve_locked(keys, new)
+            new, refused = new[: len(pages)], new[len(pages) :]
             for k in new:
                 self._pending[k] = OFFLOAD
             writes = self._note_use([k for k, _ in existing])
-            backups = self._evicted_locked(evicted)
         self._submit(writes + self._read_evicted(backups))
         return Reservation(list(zip(new, pages, strict=True)), existing, pending, refused)
 
