@@ -22,10 +22,11 @@ class HiCacheRpcError(Exception):
 
 
 class ReloadHandle:
-    """A reload in progress. statuses[i] is LOADED or NOT_FOUND for keys[i].
+    """A reload in progress. statuses[i] is LOADED, LOADED_FROM_STORAGE (fetched from the
+    storage tier first) or NOT_FOUND for keys[i]; the loaded keys are a prefix of keys.
 
     Layer-wise reloads follow the sidecar's Watch stream in a thread; wait_layer(i) returns
-    once pool-local layer i (0 .. layer_num-1) of every LOADED page is on the device.
+    once pool-local layer i (0 .. layer_num-1) of every loaded page is on the device.
     """
 
     def __init__(self, result: TransferResult, layer_num: int, watch: Callable[[], Any] | None):
