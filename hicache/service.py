@@ -94,8 +94,11 @@ class HiCacheService:
         host_bytes = geometry.pool_bytes(host_pages)
         with self._lock:
             refusal = self._refusal_locked()
+            own = {p.host.handle.name for p in self._pools.values()}
         if refusal:
             return self._refuse(refusal)
+        if req.device_memory.kind == "shm" and req.device_memory.name in own:
+            raise ValueError(f"device memory {req.device_memory.name!r} is one of this sidecar's host pools")
         free = shutil.disk_usage(shm_dir()).free
         if host_bytes > free:
             return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")

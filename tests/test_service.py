@@ -351,3 +351,12 @@ def test_concurrent_registrations_respect_the_pool_limit():
     svc.close()
     for d in devs:
         d.close()
+
+
+def test_a_host_pool_cannot_be_registered_as_device_memory(setup):
+    svc, dev, info = setup
+    host = MemoryHandle("shm", dev.nbytes * 2, name=info.host_shm_name)  # 2x ratio: same geometry, 16 pages
+    with pytest.raises(ValueError, match="is one of this sidecar's host pools"):
+        svc.register("r2", geometry=dev.geometry, device_pages=16, device_memory=host)
+    assert svc.pool_ids == [info.pool_id]
+    svc.check_integrity()
