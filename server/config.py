@@ -36,7 +36,7 @@ class ServerConfig:
     max_message_bytes: int = 64 << 20
     reap_interval_s: float | None = None  # default: min(1, lease_timeout / 4)
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off, 0: any free port
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"  # loopback unless asked: a container sets 0.0.0.0
     health_interval_s: float = 5.0  # how often the storage tiers' health is checked
     storage_optional: bool = False  # stay SERVING (degraded) while a storage tier is down
     log_format: str = "text"
@@ -124,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (default off)"
     )
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
+    p.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (0.0.0.0: every interface)"
+    )
     p.add_argument("--health-interval", type=float, default=5.0, help="seconds between storage tier health checks")
     p.add_argument(
         "--hicache-storage-optional",

@@ -155,7 +155,7 @@ class Metrics:
         self.interceptor = LatencyInterceptor(self.rpc_seconds)
         self._httpd: Any = None
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the HTTP endpoint (/metrics); returns the bound port (port 0 picks one)."""
         self._httpd, _thread = start_http_server(port, addr=host, registry=self.registry)
         bound = int(self._httpd.server_port)
