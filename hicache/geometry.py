@@ -209,6 +209,14 @@ class KVGeometry:
         """Bytes of one page restricted to `layers` layers (a layer-wise transfer)."""
         return layers * self.layer_row_bytes * self.page_size
 
+    def row_offset(self, index: int) -> int:
+        """Bytes before buffer `index` in one token's layer row (buffers in `buffers` order)."""
+        return sum(b.row_bytes for b in self.buffers[:index])
+
+    def chunk_offset(self, index: int) -> int:
+        """Bytes before buffer `index` in one (page, layer) block of page_size rows per buffer."""
+        return self.row_offset(index) * self.page_size
+
     def chunk_bytes(self, buffer: BufferSpec) -> int:
         """Bytes of one (page, layer) chunk of one buffer."""
         return buffer.row_bytes * self.page_size

@@ -154,11 +154,8 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         """The data of reservation.new is in its pages: make the keys resident and apply the
         write policy. Raises ValueError if the reservation was already committed or aborted."""
         with self._lock:
-            for k, _ in reservation.new:
-                if self._pending.get(k) != OFFLOAD:
-                    raise ValueError(f"key {k.hex()} is not reserved for an offload")
+            self._take_reserved_locked(reservation)
             for k, page in reservation.new:
-                del self._pending[k]
                 self.index.bind(k, page)
             keys = [k for k, _ in reservation.new]
             if self.write_policy == "write_through":
@@ -170,12 +167,17 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
     def abort(self, reservation: Reservation) -> None:
         """Give back the pages of a reservation whose copy failed."""
         with self._lock:
-            for k, _ in reservation.new:
-                if self._pending.get(k) != OFFLOAD:
-                    raise ValueError(f"key {k.hex()} is not reserved for an offload")
-            for k, _ in reservation.new:
-                del self._pending[k]
+            self._take_reserved_locked(reservation)
             self.index.release([p for _, p in reservation.new])
+
+    def _take_reserved_locked(self, reservation: Reservation) -> None:
+        """End the reservation's pending state; ValueError, with nothing changed, if it was
+        already committed or aborted."""
+        for k, _ in reservation.new:
+            if self._pending.get(k) != OFFLOAD:
+                raise ValueError(f"key {k.hex()} is not reserved for an offload")
+        for k, _ in reservation.new:
+            del self._pending[k]
 
     def put(self, keys: Sequence[bytes], pages_data: Sequence[Buffer]) -> bool:
         """reserve + write_page + commit, for callers that hold page bytes. False if no room."""

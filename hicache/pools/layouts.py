@@ -63,10 +63,6 @@ class Layout:
     def _strides(self, index: int, buffer: BufferSpec) -> ChunkStrides:
         raise NotImplementedError
 
-    def _row_offset(self, index: int) -> int:
-        """Bytes of the buffers before `index` in one token's layer row."""
-        return sum(b.row_bytes for b in self.geometry.buffers[:index])
-
     @property
     def pages_contiguous(self) -> bool:
         """Whether each page is one contiguous block of page_bytes."""
@@ -83,9 +79,9 @@ class LayerFirst(Layout):
         g = self.geometry
         chunk = g.chunk_bytes(buffer)
         return ChunkStrides(
-            base=self._row_offset(index) * g.page_size * self.num_pages,
+            base=g.chunk_offset(index) * self.num_pages,
             page_stride=chunk,
-            layer_stride=g.layer_row_bytes * g.page_size * self.num_pages,
+            layer_stride=g.page_bytes_for(1) * self.num_pages,
             token_stride=buffer.row_bytes,
             row_bytes=buffer.row_bytes,
         )
@@ -97,7 +93,7 @@ class PageFirst(Layout):
     def _strides(self, index: int, buffer: BufferSpec) -> ChunkStrides:
         g = self.geometry
         return ChunkStrides(
-            base=self._row_offset(index),
+            base=g.row_offset(index),
             page_stride=g.page_bytes,
             layer_stride=g.layer_row_bytes,
             token_stride=g.token_bytes,
@@ -115,9 +111,9 @@ class PageFirstDirect(Layout):
     def _strides(self, index: int, buffer: BufferSpec) -> ChunkStrides:
         g = self.geometry
         return ChunkStrides(
-            base=self._row_offset(index) * g.page_size,
+            base=g.chunk_offset(index),
             page_stride=g.page_bytes,
-            layer_stride=g.layer_row_bytes * g.page_size,
+            layer_stride=g.page_bytes_for(1),
             token_stride=buffer.row_bytes,
             row_bytes=buffer.row_bytes,
         )
