@@ -25,7 +25,12 @@ COPY pyproject.toml setup.py README.md ./
 COPY hicache ./hicache
 COPY server ./server
 COPY proto ./proto
-RUN pip install ".${EXTRAS}"
+# gcc only for the build of the C copy extension (hicache/transfer/_native.c), then removed.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && pip install ".${EXTRAS}" \
+ && (cd / && python -c "from hicache.transfer import native; assert native.available(), 'C extension not built'") \
+ && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 
 USER hicache
 # /run/hicache: the socket (share it with the engine); /var/lib/hicache: the file tier.

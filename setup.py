@@ -1,14 +1,21 @@
-"""Package discovery only; everything else is in pyproject.toml.
+"""Package discovery and the optional C extension; everything else is in pyproject.toml.
 
 The folder server/ installs as the package `hicache_server` (a top-level module named
 `server` in site-packages would be a bad neighbour), which pyproject's packages.find
 cannot express.
 """
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+
+# The CPU transfer path's batched copy (hicache/transfer/native.py). optional: without a C
+# compiler the install still succeeds and the engine falls back to torch copies.
+native = Extension(
+    "hicache.transfer._native", ["hicache/transfer/_native.c"], extra_compile_args=["-O2"], optional=True
+)
 
 setup(
     packages=[*find_packages(include=["hicache", "hicache.*"]), "hicache_server"],
     package_dir={"hicache_server": "server"},
     package_data={"hicache.data": ["*.json"]},
+    ext_modules=[native],
 )

@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--device", default="cpu", help="device pool: cpu or cuda[:N]")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "torch", "triton"])
     p.add_argument("--repeat", type=int, default=7, help="timed runs per figure; the median is reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-naive", action="store_true", help="skip the slow index_copy baseline")

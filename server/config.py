@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--hicache-io-backend",
         default="auto",
         choices=list(IO_BACKENDS),
-        help="device<->host copies: direct (torch copies), kernel (Triton kernels), auto (kernel on CUDA)",
+        help="device<->host copies: direct (torch copies), kernel (Triton kernels), "
+        "auto (kernel on CUDA, the compiled C copies on CPU)",
     )
     HiCacheConfig.add_arguments(p)
     p.add_argument(

@@ -4,8 +4,14 @@ from typing import Any
 
 import pytest
 
+from hicache.transfer import native
+
 CONFIG_DIR = Path(__file__).parent / "fixtures" / "model_configs"
 CONFIG_NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+# The CPU copy backends the round-trip tests run on. "native" needs the C extension, which
+# test_native_copy.py::test_extension_is_built requires wherever a C compiler exists.
+CPU_BACKENDS = ["torch", *(["native"] if native.available() else [])]
 
 
 def load_config(name: str) -> dict[str, Any]:

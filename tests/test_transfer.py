@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import CONFIG_NAMES, load_config
+from conftest import CONFIG_NAMES, CPU_BACKENDS, load_config
 from helpers import fill_random, same_page
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -52,21 +52,23 @@ def roundtrip(g: KVGeometry, layout: str, backend: str = "torch", dev_pages: int
         assert same_page(dst, p, keep, p)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name,group", list(_cases()))
-def test_roundtrip_fixture_configs(name, group, layout):
+def test_roundtrip_fixture_configs(name, group, layout, backend):
     cfg = load_config(name)
     dtypes = ["bfloat16"] if name == "deepseek_v3" else DTYPES
     for dtype in dtypes:
         g = KVGeometry.from_hf_config(cfg, group=group, page_size=4, dtype=dtype)
-        roundtrip(g, layout)
+        roundtrip(g, layout, backend)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "fp4_e2m1"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_roundtrip_mla(layout, dtype):
+def test_roundtrip_mla(layout, dtype, backend):
     g = KVGeometry.from_hf_config(load_config("deepseek_v3"), page_size=2, dtype=dtype)
-    roundtrip(g, layout)
+    roundtrip(g, layout, backend)
 
 
 def test_regression_v_head_dim_differs_from_head_dim():
@@ -144,8 +146,9 @@ def test_reload_selected_layers_only():
     page_size=st.integers(1, 5),
     dtype=st.sampled_from(["bfloat16", "float16", "float32", "float8_e5m2", "fp4_e2m1"]),
     layout=st.sampled_from(LAYOUTS),
+    backend=st.sampled_from(CPU_BACKENDS),
 )
-def test_roundtrip_random_geometry(data, attention, layer_num, head_num, dims, page_size, dtype, layout):
+def test_roundtrip_random_geometry(data, attention, layer_num, head_num, dims, page_size, dtype, layout, backend):
     mult = 16  # keeps fp4 legal
     if attention == "mla":
         g = KVGeometry(
@@ -174,7 +177,7 @@ def test_roundtrip_random_geometry(data, attention, layer_num, head_num, dims, p
     fill_random(dev, seed=n)
     host = HostKVPool(g, n_host, layout)
     host_before = host.flat.clone()
-    engine = TransferEngine(dev, host)
+    engine = TransferEngine(dev, host, backend)
     engine.offload(dev_pages, host_pages)
     for d, h in zip(dev_pages, host_pages, strict=True):
         assert same_page(dev, d, host, h)
@@ -184,7 +187,7 @@ def test_roundtrip_random_geometry(data, attention, layer_num, head_num, dims, p
         assert same_page(host, h, ref, h)
     back = DeviceKVPool(g, n_dev)
     targets = data.draw(st.permutations(range(n_dev)))[:n]
-    TransferEngine(back, host).reload(host_pages, targets)
+    TransferEngine(back, host, backend).reload(host_pages, targets)
     for d, t in zip(dev_pages, targets, strict=True):
         assert same_page(dev, d, back, t)
     for t in set(range(n_dev)) - set(targets):

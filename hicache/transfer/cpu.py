@@ -11,8 +11,9 @@ also fork an OpenMP team per view (that fork/join per view is what makes a plain
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import torch
 
@@ -147,9 +148,16 @@ class CpuCopier:
         if self._pool is None or sum(d.numel() for d in dsts) < INLINE_BYTES:
             torch._foreach_copy_(dsts, srcs)
             return
-        futures: list[Future[None]] = [
-            self._pool.submit(_copy_share, d, s) for d, s in split_shares(dsts, srcs, self.threads)
-        ]
+        self.run_calls([partial(_copy_share, d, s) for d, s in split_shares(dsts, srcs, self.threads)])
+
+    def run_calls(self, calls: Sequence[Callable[[], None]]) -> None:
+        """Run each call on a copy thread (in this thread without them); returns when all
+        are done. Re-raises the first exception a call raised."""
+        if self._pool is None or len(calls) < 2:
+            for call in calls:
+                call()
+            return
+        futures: list[Future[None]] = [self._pool.submit(call) for call in calls]
         errors = [f.exception() for f in futures]
         for error in errors:
             if error is not None:

@@ -12,13 +12,14 @@ import torch
 
 from hicache.pools.device import DeviceKVPool
 from hicache.pools.host import HostKVPool
+from hicache.transfer import native
 from hicache.transfer.cpu import INLINE_BYTES, CpuCopier, copy_views, full_views
 from hicache.transfer.cuda import CudaCopier, layer_plan
 from hicache.transfer.handles import CpuTransferHandle, CudaTransferHandle, TransferHandle
 from hicache.transfer.plan import PageList, TransferPlan, make_plan
 from hicache.transfer.writers import WriterRegistry
 
-Backend = Literal["auto", "torch", "triton"]
+Backend = Literal["auto", "native", "torch", "triton"]
 Pool = DeviceKVPool | HostKVPool
 
 
@@ -26,17 +27,19 @@ class TransferEngine:
     """Moves whole pages (every buffer of every, or the chosen, layers) between the pools.
 
     backend "auto": on CUDA, per transfer either cudaMemcpyAsync of large contiguous chunks
-    or the Triton kernels, on dedicated write/load streams; on CPU, strided torch copies
-    spread over `copy_threads` threads (default: torch's intra-op thread count).
-    "triton" always uses the kernels (on a CPU pool only under TRITON_INTERPRET=1, for
-    tests); "torch" always uses torch copies.
+    or the Triton kernels, on dedicated write/load streams; on CPU, "native" when the C
+    extension is built, else "torch". "native" (CPU pools only) copies a whole transfer's
+    descriptor array in C; "torch" uses strided torch copies; both spread the work over
+    `copy_threads` threads (default: torch's intra-op thread count). "triton" always uses
+    the kernels (on a CPU pool only under TRITON_INTERPRET=1, for tests).
 
     offload/reload block until done; offload_async/reload_async return a TransferHandle
     with per-layer completion. Only one transfer at a time may write a given page: a
     transfer whose destination pages overlap an unfinished one's raises ValueError.
     Call close() (or use `with`) to stop the engine's threads.
 
-    Raises ValueError if the pools' geometries differ or for an unknown backend.
+    Raises ValueError if the pools' geometries differ, for an unknown backend, or for
+    "native" on CUDA pools or without the built extension.
     """
 
     def __init__(
@@ -50,9 +53,12 @@ class TransferEngine:
         if device_pool.geometry != host_pool.geometry:
             diff = device_pool.geometry.diff(host_pool.geometry)
             raise ValueError(f"device and host pools have different geometries; fields differ: {diff}")
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        if backend not in ("auto", "native", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'native', 'torch' or 'triton', got {backend!r}")
         on_cuda = bool(device_pool.flat.is_cuda)
+        if backend == "native" and (on_cuda or not native.available()):
+            why = "CUDA pools" if on_cuda else "this install: the C extension hicache.transfer._native is not built"
+            raise ValueError(f"backend 'native' is not available for {why}")
         if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend 'triton' on a CPU pool needs TRITON_INTERPRET=1")
         if copy_threads is not None and (isinstance(copy_threads, bool) or not isinstance(copy_threads, int)):
@@ -62,7 +68,9 @@ class TransferEngine:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.geometry = device_pool.geometry
-        self.backend: Backend = ("triton" if on_cuda else "torch") if backend == "auto" else backend
+        self.backend: Backend = backend
+        if backend == "auto":
+            self.backend = "triton" if on_cuda else "native" if native.available() else "torch"
         self._copy_threads = copy_threads
         self._cuda: CudaCopier | None = None
         if on_cuda and backend != "torch":
@@ -177,6 +185,16 @@ class TransferEngine:
             from hicache.transfer.triton_kernels import copy_pages_triton
 
             copy_pages_triton(src, dst, plan if layers is None else layer_plan(plan, layers))
+            return
+        if self.backend == "native":
+            batch = native.descriptors(src, dst, plan, plan.layers if layers is None else layers)
+            copier = self._cpu_copier(batch.nbytes)
+            calls = native.copy_calls(src, dst, batch, 1 if copier is None else copier.threads)
+            if copier is not None:
+                copier.run_calls(calls)
+            else:
+                for call in calls:
+                    call()
             return
         runs = None if layers is None else [(layer, 1) for layer in layers]
         dsts, srcs = copy_views(self._views[id(src)], self._views[id(dst)], plan, runs)

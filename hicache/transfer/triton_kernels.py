@@ -1,12 +1,12 @@
 """Triton page gather/scatter between two flat pools of any layouts.
 
 One program copies one (page, layer) chunk of one buffer. All layers go in one launch
-through tables of per-layer base pointers; K, V and scale buffers get one launch each, so
-each has its own row width. Rows are moved as the widest word (8/4/2/1 bytes) that every
-pointer, stride and width allows, in 2-D tiles of up to TILE_WORDS words (several rows at
-once, so many wide loads are in flight per program), with contiguity hints on the
-column offsets so the compiler can vectorise them. Runs on CUDA, and on CPU under
-TRITON_INTERPRET=1.
+through tables of per-layer chunk offsets; K, V and scale buffers get one launch each, so
+each has its own row width. Where every address, stride and width is 16-byte aligned (all
+real geometries), rows move as 16-byte vectors (ld.global.v4.b32; tests/test_triton_ptx.py
+compiles the kernel for sm_90 and checks); otherwise as the widest word (8/4/2/1 bytes)
+that fits. Tiles are 2-D, up to TILE_WORDS words (several rows at once, so many wide loads
+are in flight per program). Runs on CUDA, and on CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ from hicache.transfer.plan import TransferPlan
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 MAX_BLOCK = 1024  # words per row segment
 TILE_WORDS = 4096  # words per 2-D tile (rows x row segment)
+VECTOR_BYTES = 16  # one ld.global.v4.b32 / st.global.v4.b32 per thread and step
 
 
 @triton.jit
 def _copy_chunks_kernel(
-    src_layer_ptrs,  # int64 [layers]: byte address of (page 0, layer l) of this buffer
-    dst_layer_ptrs,
+    src_flat,  # the source pool as words
+    dst_flat,
+    src_layer_offsets,  # int64 [layers]: (page 0, layer l) of this buffer, in units of VEC words
+    dst_layer_offsets,
     src_pages,  # int64 [pairs]
     dst_pages,
-    src_page_stride,  # in words
+    src_page_stride,  # in units of VEC words
     dst_page_stride,
     src_row_stride,
     dst_row_stride,
@@ -37,31 +40,38 @@ def _copy_chunks_kernel(
     ROW_WORDS: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
-    WORD: tl.constexpr,
+    VEC: tl.constexpr,
 ):
+    # Every offset is (something) * VEC, so the compiler can prove VEC-word alignment and
+    # move VEC words (16 bytes) per load and store; a hint on a loaded value would be lost.
     pair = tl.program_id(0)
     layer = tl.program_id(1)
     src_page = tl.load(src_pages + pair)
     dst_page = tl.load(dst_pages + pair)
-    src = tl.load(src_layer_ptrs + layer).to(tl.pointer_type(WORD)) + src_page * src_page_stride
-    dst = tl.load(dst_layer_ptrs + layer).to(tl.pointer_type(WORD)) + dst_page * dst_page_stride
+    src = src_flat + (tl.load(src_layer_offsets + layer) + src_page * src_page_stride) * VEC
+    dst = dst_flat + (tl.load(dst_layer_offsets + layer) + dst_page * dst_page_stride) * VEC
     for row0 in range(0, ROWS, ROW_BLOCK):
         rows = row0 + tl.arange(0, ROW_BLOCK)
         for start in range(0, ROW_WORDS, BLOCK):
-            cols = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+            cols = start + tl.arange(0, BLOCK)
             mask = (rows[:, None] < ROWS) & (cols[None, :] < ROW_WORDS)
-            values = tl.load(src + rows[:, None] * src_row_stride + cols[None, :], mask=mask)
-            tl.store(dst + rows[:, None] * dst_row_stride + cols[None, :], values, mask=mask)
+            values = tl.load(src + rows[:, None] * (src_row_stride * VEC) + cols[None, :], mask=mask)
+            tl.store(dst + rows[:, None] * (dst_row_stride * VEC) + cols[None, :], values, mask=mask)
 
 
-_TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
-
-
-def _word_bytes(*quantities: int) -> int:
+def word_and_vec(*quantities: int) -> tuple[int, int]:
+    """(word bytes, words per vector): 4-byte words moved 4 at a time when every address,
+    stride and width is 16-byte aligned, else the widest word that divides them all, one at a time."""
+    if all(q % VECTOR_BYTES == 0 for q in quantities):
+        return 4, VECTOR_BYTES // 4
     for word in (8, 4, 2, 1):
         if all(q % word == 0 for q in quantities):
-            return word
-    return 1
+            return word, 1
+    return 1, 1
+
+
+def _as_words(flat: torch.Tensor, word: int) -> torch.Tensor:
+    return flat[: flat.numel() - flat.numel() % word].view(_WORDS[word])
 
 
 def copy_pages_triton(src: FlatPool, dst: FlatPool, plan: TransferPlan) -> None:
@@ -80,28 +90,39 @@ def copy_pages_triton(src: FlatPool, dst: FlatPool, plan: TransferPlan) -> None:
     g = src.geometry
     for b in range(len(g.buffers)):
         ss, ds = src.layout.strides[b], dst.layout.strides[b]
-        src_ptrs = [src.flat.data_ptr() + ss.offset(0, layer) for layer in plan.layers]
-        dst_ptrs = [dst.flat.data_ptr() + ds.offset(0, layer) for layer in plan.layers]
+        src_offs = [ss.offset(0, layer) for layer in plan.layers]
+        dst_offs = [ds.offset(0, layer) for layer in plan.layers]
         whole = ss.chunk_contiguous and ds.chunk_contiguous
         rows, row_bytes = (1, g.chunk_bytes(g.buffers[b])) if whole else (g.page_size, ss.row_bytes)
-        word = _word_bytes(
-            row_bytes, ss.page_stride, ds.page_stride, ss.token_stride, ds.token_stride, *src_ptrs, *dst_ptrs
+        word, vec = word_and_vec(
+            row_bytes,
+            ss.page_stride,
+            ds.page_stride,
+            ss.token_stride,
+            ds.token_stride,
+            src.flat.data_ptr(),
+            dst.flat.data_ptr(),
+            *src_offs,
+            *dst_offs,
         )
+        unit = word * vec
         row_words = row_bytes // word
         block = min(MAX_BLOCK, triton.next_power_of_2(row_words))
         row_block = max(1, min(triton.next_power_of_2(rows), TILE_WORDS // block))
         _copy_chunks_kernel[(plan.num_pages, len(plan.layers))](
-            torch.tensor(src_ptrs, dtype=torch.int64).to(device, non_blocking=True),
-            torch.tensor(dst_ptrs, dtype=torch.int64).to(device, non_blocking=True),
+            _as_words(src.flat, word),
+            _as_words(dst.flat, word),
+            torch.tensor([o // unit for o in src_offs], dtype=torch.int64).to(device, non_blocking=True),
+            torch.tensor([o // unit for o in dst_offs], dtype=torch.int64).to(device, non_blocking=True),
             src_pages,
             dst_pages,
-            ss.page_stride // word,
-            ds.page_stride // word,
-            ss.token_stride // word,
-            ds.token_stride // word,
+            ss.page_stride // unit,
+            ds.page_stride // unit,
+            ss.token_stride // unit,
+            ds.token_stride // unit,
             ROWS=rows,
             ROW_WORDS=row_words,
             ROW_BLOCK=row_block,
             BLOCK=block,
-            WORD=_TL_WORDS[word],
+            VEC=vec,
         )

@@ -1,0 +1,189 @@
+/* hicache.transfer._native: one call copies a whole batch of strided row blocks.
+ *
+ * A copy descriptor is six int64s: (dst, src, rows, row_bytes, dst_stride, src_stride),
+ * byte offsets into two flat buffers. copy_rows() checks every descriptor against both
+ * buffers' sizes before it copies anything, then copies with the GIL released, so several
+ * Python threads can each run a share of one transfer at the same time.
+ *
+ * With streaming=True, x86-64 builds write with non-temporal stores: a transfer larger than
+ * the caches gains the read-for-ownership traffic that ordinary stores cost, and the copy
+ * does not evict the caller's working set. Other CPUs use memcpy either way.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define HICACHE_HAVE_STREAM 1
+#else
+#define HICACHE_HAVE_STREAM 0
+#endif
+
+enum { DESC_FIELDS = 6 };
+
+typedef struct {
+    int64_t dst, src, rows, row_bytes, dst_stride, src_stride;
+} CopyDesc;
+
+#if HICACHE_HAVE_STREAM
+static void stream_row(char *d, const char *s, size_t n) {
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (head > n)
+        head = n;
+    memcpy(d, s, head);
+    size_t i = head;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + i, s + i, n - i);
+}
+#endif
+
+/* The byte just past the last row of a descriptor side, or -1 on overflow. */
+static int64_t side_end(int64_t offset, int64_t rows, int64_t row_bytes, int64_t stride) {
+    int64_t span, end;
+    if (__builtin_mul_overflow(rows - 1, stride, &span) || __builtin_add_overflow(offset, span, &end) ||
+        __builtin_add_overflow(end, row_bytes, &end))
+        return -1;
+    return end;
+}
+
+static int check_desc(const CopyDesc *c, Py_ssize_t i, int64_t dst_size, int64_t src_size) {
+    if (c->dst < 0 || c->src < 0 || c->rows < 0 || c->row_bytes < 0 || c->dst_stride < 0 || c->src_stride < 0) {
+        PyErr_Format(PyExc_ValueError, "copy descriptor %zd has a negative field", i);
+        return -1;
+    }
+    if (c->rows == 0 || c->row_bytes == 0)
+        return 0;
+    int64_t dst_end = side_end(c->dst, c->rows, c->row_bytes, c->dst_stride);
+    int64_t src_end = side_end(c->src, c->rows, c->row_bytes, c->src_stride);
+    if (dst_end < 0 || dst_end > dst_size) {
+        PyErr_Format(PyExc_ValueError, "copy descriptor %zd writes past the destination's %lld bytes", i,
+                     (long long)dst_size);
+        return -1;
+    }
+    if (src_end < 0 || src_end > src_size) {
+        PyErr_Format(PyExc_ValueError, "copy descriptor %zd reads past the source's %lld bytes", i,
+                     (long long)src_size);
+        return -1;
+    }
+    return 0;
+}
+
+static void copy_row(char *d, const char *s, size_t n, int streaming) {
+#if HICACHE_HAVE_STREAM
+    if (streaming) {
+        stream_row(d, s, n);
+        return;
+    }
+#endif
+    (void)streaming;
+    memcpy(d, s, n);
+}
+
+/* Descriptors go in groups of `group`; within a group, row r of every descriptor is copied
+ * before row r + 1 of any, so a group of chunks that interleave row by row on one side (the
+ * (layer, buffer) chunks of a page_first page) is walked through that side in address order. */
+static void copy_all(char *dst, const char *src, const CopyDesc *descs, Py_ssize_t n, Py_ssize_t group,
+                     int streaming) {
+    for (Py_ssize_t first = 0; first < n; first += group) {
+        Py_ssize_t last = first + group < n ? first + group : n;
+        int64_t rows = 0;
+        for (Py_ssize_t i = first; i < last; i++)
+            rows = descs[i].rows > rows ? descs[i].rows : rows;
+        for (int64_t r = 0; r < rows; r++) {
+            for (Py_ssize_t i = first; i < last; i++) {
+                const CopyDesc *c = &descs[i];
+                if (r < c->rows)
+                    copy_row(dst + c->dst + r * c->dst_stride, src + c->src + r * c->src_stride, (size_t)c->row_bytes,
+                             streaming);
+            }
+        }
+    }
+#if HICACHE_HAVE_STREAM
+    if (streaming)
+        _mm_sfence();
+#endif
+}
+
+static int is_int64_format(const char *format) {
+    if (format == NULL)
+        return 0;
+    if (*format == '<' || *format == '=' || *format == '@')
+        format++;
+    return (strcmp(format, "q") == 0 || (strcmp(format, "l") == 0 && sizeof(long) == 8));
+}
+
+static PyObject *copy_rows(PyObject *self, PyObject *args) {
+    unsigned long long dst_addr, src_addr;
+    long long dst_size, src_size;
+    PyObject *desc_obj;
+    Py_ssize_t group;
+    int streaming;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KLKLOnp", &dst_addr, &dst_size, &src_addr, &src_size, &desc_obj, &group,
+                          &streaming))
+        return NULL;
+    if (group < 1)
+        return PyErr_Format(PyExc_ValueError, "group must be >= 1, got %zd", group);
+    if (dst_size < 0 || src_size < 0)
+        return PyErr_Format(PyExc_ValueError, "buffer sizes must be >= 0, got %lld and %lld", dst_size, src_size);
+    Py_buffer view;
+    if (PyObject_GetBuffer(desc_obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (view.itemsize != 8 || !is_int64_format(view.format) || view.ndim != 2 || view.shape[1] != DESC_FIELDS) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_ValueError, "descriptors must be a C-contiguous int64 array of shape (n, %d)",
+                            DESC_FIELDS);
+    }
+    const CopyDesc *descs = (const CopyDesc *)view.buf;
+    Py_ssize_t n = view.shape[0];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (check_desc(&descs[i], i, dst_size, src_size) < 0) {
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+    }
+    if (n > 0 && (dst_addr == 0 || src_addr == 0)) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_ValueError, "buffer addresses must be non-zero");
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_all((char *)(uintptr_t)dst_addr, (const char *)(uintptr_t)src_addr, descs, n, group, streaming);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_rows", copy_rows, METH_VARARGS,
+     "copy_rows(dst_addr, dst_size, src_addr, src_size, descriptors, group, streaming) -> None\n\n"
+     "Copy every (dst, src, rows, row_bytes, dst_stride, src_stride) descriptor of the int64\n"
+     "(n, 6) array from the src buffer to the dst buffer, row-interleaved within groups of\n"
+     "`group` descriptors. Raises ValueError, before copying anything, if a descriptor\n"
+     "reaches outside either buffer."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native", "Batched strided row copies for hicache's CPU transfer path.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "HAVE_STREAMING_STORES", HICACHE_HAVE_STREAM) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,182 @@
+"""The compiled CPU copy path: descriptor building, merging, splitting, bounds checks, streaming."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import load_config
+from helpers import fill_random, same_page
+
+from hicache import DeviceKVPool, HostKVPool, KVGeometry, TransferEngine
+from hicache.pools import LAYOUTS
+from hicache.transfer import native
+
+needs_native = pytest.mark.skipif(not native.available(), reason="C extension not built")
+
+
+def mimo(page_size: int = 4) -> KVGeometry:
+    return KVGeometry.from_hf_config(load_config("mimo_v2_flash"), page_size=page_size)
+
+
+def test_extension_is_built():
+    """Where a C compiler exists the install must have built it; otherwise the fast path silently vanishes."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the torch copy path is the documented fallback")
+    assert native.available(), "hicache.transfer._native is not built: pip install -e . (or make setup) builds it"
+
+
+def marks_of(batch: native.CopyBatch, size: int, side: int) -> torch.Tensor:
+    """How many times each byte of one side (native.DST or native.SRC) is touched."""
+    marks = torch.zeros(size, dtype=torch.int32)
+    for off, rows, row_bytes, dst_stride, src_stride in batch.descs[:, [side, 2, 3, 4, 5]].tolist():
+        stride = dst_stride if side == native.DST else src_stride
+        for r in range(rows):
+            marks[off + r * stride : off + r * stride + row_bytes] += 1
+    return marks
+
+
+def expected_marks(pool, pages, layers) -> torch.Tensor:
+    marks = torch.zeros(pool.nbytes, dtype=torch.int32)
+    view = torch.zeros(pool.nbytes, dtype=torch.uint8)
+    for page in pages:
+        for layer in layers:
+            for b in range(len(pool.geometry.buffers)):
+                s = pool.layout.strides[b]
+                chunk = torch.as_strided(
+                    view, (pool.geometry.page_size, s.row_bytes), (s.token_stride, 1), s.offset(page, layer)
+                )
+                chunk.fill_(1)
+    marks += view.to(torch.int32)
+    return marks
+
+
+@pytest.mark.parametrize("host_layout", LAYOUTS)
+@pytest.mark.parametrize("direction", ["offload", "reload"])
+def test_descriptors_cover_each_chunk_byte_once(host_layout, direction):
+    g = mimo()
+    dev, host = DeviceKVPool(g, 12), HostKVPool(g, 12, host_layout)
+    engine = TransferEngine(dev, host, "torch")
+    dev_pages, host_pages, layers = [3, 4, 5, 6, 9, 0], [7, 8, 9, 10, 1, 11], (0, 2, 3, 8)
+    if direction == "offload":
+        src, dst = dev, host
+        plan = engine.offload_plan(dev_pages, host_pages)
+        src_pages, dst_pages = dev_pages, host_pages
+    else:
+        src, dst = host, dev
+        plan = engine.reload_plan(host_pages, dev_pages, layers)
+        src_pages, dst_pages = host_pages, dev_pages
+    batch = native.descriptors(src, dst, plan, plan.layers)
+    assert torch.equal(marks_of(batch, dst.nbytes, native.DST), expected_marks(dst, dst_pages, plan.layers))
+    assert torch.equal(marks_of(batch, src.nbytes, native.SRC), expected_marks(src, src_pages, plan.layers))
+    assert batch.nbytes == len(dev_pages) * g.page_bytes_for(len(plan.layers))
+
+
+def test_page_runs_merge_into_one_copy_per_layer_and_buffer():
+    g = mimo()
+    dev, host = DeviceKVPool(g, 16), HostKVPool(g, 16, "layer_first")
+    plan = TransferEngine(dev, host, "torch").offload_plan(list(range(2, 10)), list(range(5, 13)))
+    batch = native.descriptors(dev, host, plan, plan.layers)
+    assert len(batch.descs) == g.layer_num * len(g.buffers)  # 8 adjacent pages: one copy per (layer, buffer)
+    assert (batch.descs[:, native.ROWS] == 1).all()
+    assert sorted(set(batch.descs[:, native.ROW_BYTES].tolist())) == sorted(8 * g.chunk_bytes(b) for b in g.buffers)
+
+
+def test_merge_stops_at_the_cap_and_at_gaps(monkeypatch):
+    monkeypatch.setattr(native, "MERGE_CAP", 250)
+    rows = [[0, 1000, 1, 100, 100, 100], [100, 1100, 1, 100, 100, 100], [200, 1200, 1, 100, 100, 100]]
+    rows += [[300, 1300, 1, 100, 100, 100], [500, 1400, 1, 100, 100, 100], [600, 1500, 4, 10, 20, 10]]
+    out = native.merge(np.array(rows, dtype=np.int64))
+    assert out[:, [0, 1, 3]].tolist() == [[0, 1000, 300], [300, 1300, 100], [500, 1400, 100], [600, 1500, 10]]
+    assert out[3].tolist() == rows[5]  # a strided descriptor never merges
+
+
+def test_split_keeps_groups_whole_and_covers_everything():
+    descs = np.array([[i * 10, i * 10, 1, 10, 10, 10] for i in range(12)], dtype=np.int64)
+    parts = native.split(native.CopyBatch(descs, group=4), 2)
+    assert [len(p) for p in parts] == [8, 4] or [len(p) for p in parts] == [4, 8]
+    assert np.array_equal(np.concatenate(parts), descs)
+    assert [len(p) for p in native.split(native.CopyBatch(descs), 3)] == [4, 4, 4]
+    assert native.split(native.CopyBatch(descs[:0]), 3) == []
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "desc,message",
+    [
+        ([0, 0, 2, 8, 60, 8], "descriptor 1 writes past the destination's 64 bytes"),
+        ([0, 60, 1, 8, 8, 8], "descriptor 1 reads past the source's 64 bytes"),
+        ([-8, 0, 1, 8, 8, 8], "descriptor 1 has a negative field"),
+        ([0, 0, 1 << 62, 8, 1 << 62, 8], "descriptor 1 writes past"),  # overflowing span
+    ],
+)
+def test_copy_rows_checks_every_descriptor_before_copying(desc, message):
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    descs = np.array([[0, 0, 1, 8, 8, 8], desc], dtype=np.int64)
+    with pytest.raises(ValueError, match=message):
+        native._native.copy_rows(dst.data_ptr(), 64, src.data_ptr(), 64, descs, 1, False)  # type: ignore[union-attr]
+    assert int(dst.count_nonzero()) == 0  # the valid first descriptor was not copied either
+
+
+@needs_native
+def test_copy_rows_rejects_bad_arguments():
+    buf = torch.zeros(64, dtype=torch.uint8)
+    copy = native._native.copy_rows  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="shape \\(n, 6\\)"):
+        copy(buf.data_ptr(), 64, buf.data_ptr(), 64, np.zeros((1, 5), dtype=np.int64), 1, False)
+    with pytest.raises(ValueError, match="int64 array"):
+        copy(buf.data_ptr(), 64, buf.data_ptr(), 64, np.zeros((1, 6), dtype=np.int32), 1, False)
+    with pytest.raises(ValueError, match="group must be >= 1, got 0"):
+        copy(buf.data_ptr(), 64, buf.data_ptr(), 64, np.zeros((1, 6), dtype=np.int64), 0, False)
+    with pytest.raises(ValueError, match="non-zero"):
+        copy(0, 64, buf.data_ptr(), 64, np.array([[0, 0, 1, 8, 8, 8]], dtype=np.int64), 1, False)
+
+
+@needs_native
+@pytest.mark.parametrize("streaming", [False, True])
+def test_copy_rows_unaligned_rows_and_groups(streaming):
+    """Odd offsets, strides and widths (head, 64-byte body, tail) in row-interleaved groups."""
+    rng = np.random.default_rng(0)
+    src = torch.from_numpy(rng.integers(0, 256, 4096, dtype=np.uint8))
+    dst = torch.zeros(8192, dtype=torch.uint8)
+    descs = np.array([[3, 1, 3, 133, 1001, 141], [405, 700, 2, 77, 300, 90], [7000, 2000, 1, 1000, 1000, 1000]])
+    native._native.copy_rows(dst.data_ptr(), 8192, src.data_ptr(), 4096, descs, 2, streaming)  # type: ignore[union-attr]
+    want = torch.zeros(8192, dtype=torch.uint8)
+    for d, s, rows, n, ds, ss in descs.tolist():
+        for r in range(rows):
+            want[d + r * ds : d + r * ds + n] = src[s + r * ss : s + r * ss + n]
+    assert torch.equal(dst, want)
+
+
+@needs_native
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp4_e2m1"])
+def test_streaming_threaded_roundtrip_is_bit_exact(layout, dtype, monkeypatch):
+    """The large-transfer path (non-temporal stores, several copy threads) on a small pool."""
+    monkeypatch.setattr(native, "STREAM_MIN_BYTES", 0)
+    g = KVGeometry(layer_num=3, head_num=3, head_dim=48, v_head_dim=16, page_size=5, dtype=dtype)
+    dev = DeviceKVPool(g, 9)
+    fill_random(dev, 7)
+    host = HostKVPool(g, 9, layout)
+    with TransferEngine(dev, host, "native", copy_threads=3) as engine:
+        assert engine.backend == "native"
+        engine._cpu_copier(1 << 30)  # start the copy threads although the transfer is small
+        engine.offload([8, 0, 1, 2, 4], [3, 4, 5, 0, 8])
+        back = DeviceKVPool(g, 9)
+        with TransferEngine(back, host, "native", copy_threads=3) as loader:
+            loader._cpu_copier(1 << 30)
+            loader.reload([3, 4, 5, 0, 8], [1, 2, 3, 7, 0], layers=[0, 2])
+    for d, t in zip([8, 0, 1, 2, 4], [1, 2, 3, 7, 0], strict=True):
+        assert same_page(dev, d, back, t, layers=[0, 2])
+    assert int(back.chunks(0, 0, 1, 9, 1).count_nonzero()) == 0  # layer 1 was not reloaded
+
+
+def test_auto_backend_and_unavailable_native(monkeypatch):
+    g = KVGeometry(layer_num=1, head_num=1, head_dim=16, v_head_dim=8)
+    dev, host = DeviceKVPool(g, 2), HostKVPool(g, 2)
+    assert TransferEngine(dev, host).backend == ("native" if native.available() else "torch")
+    monkeypatch.setattr(native, "_native", None)
+    assert TransferEngine(dev, host).backend == "torch"
+    with pytest.raises(ValueError, match="backend 'native' is not available .*_native is not built"):
+        TransferEngine(dev, host, "native")
