@@ -9,6 +9,9 @@ drawn from pools twice the transfer size. Ratios:
   offload_ratio / reload_ratio  engine GB/s over memcpy GB/s of the same direction
   naive_ratio                   torch index_select + index_copy_ over token rows (both directions, mean)
 memcpy is `dst.copy_(src)` of pages * page_bytes contiguous bytes between the two pools' memory.
+With the CPU "native" backend, which writes with streaming (non-temporal) stores, the same
+contiguous bytes are also copied by that C code over the same threads ("stream memcpy", the
+tighter limit: no read-for-ownership of the destination), and *_stream_ratio compares to it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from hicache import DeviceKVPool, HostKVPool, KVGeometry, TransferEngine
 from hicache.pools import LAYOUTS
 from hicache.pools.flat import FlatPool
+from hicache.transfer import native
+from hicache.transfer.cpu import CpuCopier
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "hicache" / "data" / "mimo_v2_flash.json"
 
@@ -109,6 +114,15 @@ def naive_copy(src: FlatPool, dst: FlatPool, src_pages: np.ndarray, dst_pages: n
             d_rows[layer].index_copy_(0, d_slots, s_rows[layer].index_select(0, s_slots).to(d_rows.device))
 
 
+def stream_memcpy(src: FlatPool, dst: FlatPool, nbytes: int, copier: CpuCopier) -> Callable[[], None]:
+    """A contiguous copy of the first nbytes through the native path's C copy, on `copier`'s threads."""
+    starts = np.arange(0, nbytes, native.MERGE_CAP, dtype=np.int64)
+    sizes = np.minimum(native.MERGE_CAP, nbytes - starts)
+    descs = np.stack([starts, starts, np.ones_like(starts), sizes, sizes, sizes], axis=1)
+    calls = native.copy_calls(src, dst, native.CopyBatch(descs), copier.threads)
+    return lambda: copier.run_calls(calls)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring)."""
     config = json.loads(Path(args.config).read_text())
@@ -127,16 +141,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dev_name = str(device.flat.device)
     # memcpy and engine runs alternate, so that a burst of load elsewhere hits both alike;
     # each ratio is the median of per-round ratios.
-    rounds = interleaved(
-        {
-            "d2h": lambda: host_bytes.copy_(dev_bytes),
-            "offload": lambda: engine.offload(dev_pages, host_pages),
-            "h2d": lambda: dev_bytes.copy_(host_bytes),
-            "reload": lambda: engine.reload(host_pages, dev_pages),
-        },
-        args.repeat,
-        dev_name,
-    )
+    fns: dict[str, Callable[[], Any]] = {
+        "d2h": lambda: host_bytes.copy_(dev_bytes),
+        "offload": lambda: engine.offload(dev_pages, host_pages),
+        "h2d": lambda: dev_bytes.copy_(host_bytes),
+        "reload": lambda: engine.reload(host_pages, dev_pages),
+    }
+    copier = CpuCopier() if engine.backend == "native" else None
+    if copier is not None:
+        fns["d2h_stream"] = stream_memcpy(device, host, nbytes, copier)
+        fns["h2d_stream"] = stream_memcpy(host, device, nbytes, copier)
+    try:
+        rounds = interleaved(fns, args.repeat, dev_name)
+    finally:
+        if copier is not None:
+            copier.close()
     gb = nbytes / 1e9
     med = {k: statistics.median(v) for k, v in rounds.items()}
     out: dict[str, Any] = {
@@ -148,6 +167,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "offload_ratio": statistics.median(m / e for m, e in zip(rounds["d2h"], rounds["offload"], strict=True)),
         "reload_ratio": statistics.median(m / e for m, e in zip(rounds["h2d"], rounds["reload"], strict=True)),
     }
+    if copier is not None:
+        out["stream_memcpy_d2h_gbps"] = gb / med["d2h_stream"]
+        out["stream_memcpy_h2d_gbps"] = gb / med["h2d_stream"]
+        for name, base in (("offload", "d2h_stream"), ("reload", "h2d_stream")):
+            pairs = zip(rounds[base], rounds[name], strict=True)
+            out[f"{name}_stream_ratio"] = statistics.median(m / e for m, e in pairs)
     t_d2h, t_h2d = med["d2h"], med["h2d"]
     if not args.no_naive:
         naive_repeat = max(1, min(3, args.repeat))
@@ -178,14 +203,20 @@ def table(r: dict[str, Any]) -> str:
         f"{g['layer_num']} layers, {g['dtype']}, host {r['layout']}, device {r['device']} "
         f"(backend {r['backend']}), median of {r['repeat']}"
     )
+    stream = "offload_stream_ratio" in r
     rows = [
-        ("memcpy device->host", r["memcpy_d2h_gbps"], 1.0),
-        ("memcpy host->device", r["memcpy_h2d_gbps"], 1.0),
-        ("offload (engine)", r["offload_gbps"], r["offload_ratio"]),
-        ("reload (engine)", r["reload_gbps"], r["reload_ratio"]),
+        ("memcpy device->host", r["memcpy_d2h_gbps"], 1.0, None),
+        ("memcpy host->device", r["memcpy_h2d_gbps"], 1.0, None),
     ]
-    lines = [head, f"{'':24} {'GB/s':>8} {'ratio':>7}"]
-    lines += [f"{name:24} {gbps:8.2f} {ratio:7.3f}" for name, gbps, ratio in rows]
+    if stream:
+        rows.append(("stream memcpy dev->host", r["stream_memcpy_d2h_gbps"], None, 1.0))
+        rows.append(("stream memcpy host->dev", r["stream_memcpy_h2d_gbps"], None, 1.0))
+    rows.append(("offload (engine)", r["offload_gbps"], r["offload_ratio"], r.get("offload_stream_ratio")))
+    rows.append(("reload (engine)", r["reload_gbps"], r["reload_ratio"], r.get("reload_stream_ratio")))
+    lines = [head, f"{'':24} {'GB/s':>8} {'ratio':>7}" + (f" {'vs stream':>10}" if stream else "")]
+    for name, gbps, ratio, vs_stream in rows:
+        line = f"{name:24} {gbps:8.2f} " + (f"{ratio:7.3f}" if ratio is not None else " " * 7)
+        lines.append(line + (f" {vs_stream:10.3f}" if vs_stream is not None else ""))
     if "naive_ratio" in r:
         lines.append(f"{'naive index_copy (mean)':24} {'':8} {r['naive_ratio']:7.3f}")
     return "\n".join(lines)
