@@ -10,7 +10,9 @@ from helpers import fill_random, same_page
 
 from hicache import DeviceKVPool, HostKVPool, KVGeometry, TransferEngine
 from hicache.pools import LAYOUTS
+from hicache.transfer import engine as engine_module
 from hicache.transfer import native
+from hicache.transfer.cpu import CpuCopier
 
 needs_native = pytest.mark.skipif(not native.available(), reason="C extension not built")
 
@@ -153,20 +155,23 @@ def test_copy_rows_unaligned_rows_and_groups(streaming):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp4_e2m1"])
 def test_streaming_threaded_roundtrip_is_bit_exact(layout, dtype, monkeypatch):
-    """The large-transfer path (non-temporal stores, several copy threads) on a small pool."""
+    """The large-transfer path (non-temporal stores, shares on several copy threads) on a small pool."""
     monkeypatch.setattr(native, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(engine_module, "INLINE_BYTES", 0)
+    shares: list[int] = []
+    run_calls = CpuCopier.run_calls
+    monkeypatch.setattr(CpuCopier, "run_calls", lambda self, calls: (shares.append(len(calls)), run_calls(self, calls)))
     g = KVGeometry(layer_num=3, head_num=3, head_dim=48, v_head_dim=16, page_size=5, dtype=dtype)
     dev = DeviceKVPool(g, 9)
     fill_random(dev, 7)
     host = HostKVPool(g, 9, layout)
     with TransferEngine(dev, host, "native", copy_threads=3) as engine:
         assert engine.backend == "native"
-        engine._cpu_copier(1 << 30)  # start the copy threads although the transfer is small
         engine.offload([8, 0, 1, 2, 4], [3, 4, 5, 0, 8])
         back = DeviceKVPool(g, 9)
         with TransferEngine(back, host, "native", copy_threads=3) as loader:
-            loader._cpu_copier(1 << 30)
             loader.reload([3, 4, 5, 0, 8], [1, 2, 3, 7, 0], layers=[0, 2])
+    assert len(shares) == 2 and max(shares) >= 2  # both transfers were split over the copy threads
     for d, t in zip([8, 0, 1, 2, 4], [1, 2, 3, 7, 0], strict=True):
         assert same_page(dev, d, back, t, layers=[0, 2])
     assert int(back.chunks(0, 0, 1, 9, 1).count_nonzero()) == 0  # layer 1 was not reloaded

@@ -189,11 +189,10 @@ class TransferEngine:
         if self.backend == "native":
             batch = native.descriptors(src, dst, plan, plan.layers if layers is None else layers)
             copier = self._cpu_copier(batch.nbytes)
-            calls = native.copy_calls(src, dst, batch, 1 if copier is None else copier.threads)
-            if copier is not None:
-                copier.run_calls(calls)
-            else:
-                for call in calls:
+            if copier is not None and batch.nbytes >= INLINE_BYTES:
+                copier.run_calls(native.copy_calls(src, dst, batch, copier.threads))
+            else:  # small: one share, in this thread
+                for call in native.copy_calls(src, dst, batch, 1):
                     call()
             return
         runs = None if layers is None else [(layer, 1) for layer in layers]
