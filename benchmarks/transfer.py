@@ -119,7 +119,7 @@ def stream_memcpy(src: FlatPool, dst: FlatPool, nbytes: int, copier: CpuCopier) 
     starts = np.arange(0, nbytes, native.MERGE_CAP, dtype=np.int64)
     sizes = np.minimum(native.MERGE_CAP, nbytes - starts)
     descs = np.stack([starts, starts, np.ones_like(starts), sizes, sizes, sizes], axis=1)
-    calls = native.copy_calls(src, dst, native.CopyBatch(descs), copier.threads)
+    calls = native.copy_calls(src, dst, native.CopyBatch(descs), copier.threads, streaming=True)
     return lambda: copier.run_calls(calls)
 
 

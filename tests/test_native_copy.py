@@ -73,6 +73,12 @@ def test_descriptors_cover_each_chunk_byte_once(host_layout, direction):
         plan = engine.reload_plan(host_pages, dev_pages, layers)
         src_pages, dst_pages = host_pages, dev_pages
     batch = native.descriptors(src, dst, plan, plan.layers)
+    if host_layout == "page_first" and direction == "reload":  # each row-interleaved group reads one source page
+        groups = batch.descs[:, native.SRC].reshape(-1, batch.group) // g.page_bytes
+        assert batch.group == len(plan.layers) * len(g.buffers) and (groups == groups[:, :1]).all()
+        assert sorted(groups[:, 0].tolist()) == sorted(host_pages)
+    else:
+        assert batch.group == 1
     assert torch.equal(marks_of(batch, dst.nbytes, native.DST), expected_marks(dst, dst_pages, plan.layers))
     assert torch.equal(marks_of(batch, src.nbytes, native.SRC), expected_marks(src, src_pages, plan.layers))
     assert batch.nbytes == len(dev_pages) * g.page_bytes_for(len(plan.layers))
@@ -88,7 +94,7 @@ def test_page_runs_merge_into_one_copy_per_layer_and_buffer():
     assert sorted(set(batch.descs[:, native.ROW_BYTES].tolist())) == sorted(8 * g.chunk_bytes(b) for b in g.buffers)
 
 
-def test_merge_stops_at_the_cap_and_at_gaps(monkeypatch):
+def test_merge_stops_past_the_cap_and_at_gaps(monkeypatch):
     monkeypatch.setattr(native, "MERGE_CAP", 250)
     rows = [[0, 1000, 1, 100, 100, 100], [100, 1100, 1, 100, 100, 100], [200, 1200, 1, 100, 100, 100]]
     rows += [[300, 1300, 1, 100, 100, 100], [500, 1400, 1, 100, 100, 100], [600, 1500, 4, 10, 20, 10]]
@@ -113,7 +119,8 @@ def test_split_keeps_groups_whole_and_covers_everything():
         ([0, 0, 2, 8, 60, 8], "descriptor 1 writes past the destination's 64 bytes"),
         ([0, 60, 1, 8, 8, 8], "descriptor 1 reads past the source's 64 bytes"),
         ([-8, 0, 1, 8, 8, 8], "descriptor 1 has a negative field"),
-        ([0, 0, 1 << 62, 8, 1 << 62, 8], "descriptor 1 writes past"),  # overflowing span
+        ([0, 0, (1 << 32) + 1, 8, 1 << 32, 1 << 32], "descriptor 1 writes past"),  # span wraps to 0 in int64
+        ([0, 0, 1 << 62, 8, 0, 0], "descriptor 1 writes overlapping rows \\(stride 0 < row 8 bytes\\)"),
     ],
 )
 def test_copy_rows_checks_every_descriptor_before_copying(desc, message):
@@ -135,8 +142,17 @@ def test_copy_rows_rejects_bad_arguments():
         copy(buf.data_ptr(), 64, buf.data_ptr(), 64, np.zeros((1, 6), dtype=np.int32), 1, False)
     with pytest.raises(ValueError, match="group must be >= 1, got 0"):
         copy(buf.data_ptr(), 64, buf.data_ptr(), 64, np.zeros((1, 6), dtype=np.int64), 0, False)
+    one = np.array([[0, 0, 1, 8, 8, 8]], dtype=np.int64)
     with pytest.raises(ValueError, match="non-zero"):
-        copy(0, 64, buf.data_ptr(), 64, np.array([[0, 0, 1, 8, 8, 8]], dtype=np.int64), 1, False)
+        copy(0, 64, buf.data_ptr(), 64, one, 1, False)
+    with pytest.raises(OverflowError):
+        copy(-16, 64, buf.data_ptr(), 64, one, 1, False)
+    with pytest.raises(OverflowError):
+        copy(buf.data_ptr(), 64, 1 << 64, 64, one, 1, False)
+    big_endian = np.zeros((1, 6), dtype=">i8" if np.little_endian else "<i8")
+    with pytest.raises(ValueError, match="int64 array"):
+        copy(buf.data_ptr(), 64, buf.data_ptr(), 64, big_endian, 1, False)
+    copy(buf.data_ptr(), 64, buf.data_ptr(), 64, np.array([[0, 8, 1 << 62, 0, 0, 0]]), 1, False)  # no bytes: no work
 
 
 @needs_native

@@ -1,9 +1,10 @@
 /* hicache.transfer._native: one call copies a whole batch of strided row blocks.
  *
  * A copy descriptor is six int64s: (dst, src, rows, row_bytes, dst_stride, src_stride),
- * byte offsets into two flat buffers. copy_rows() checks every descriptor against both
- * buffers' sizes before it copies anything, then copies with the GIL released, so several
- * Python threads can each run a share of one transfer at the same time.
+ * byte offsets into two flat buffers. copy_rows() takes a private copy of the descriptors,
+ * checks every one against both buffers' sizes before it copies anything (rows must not
+ * overlap on the destination, which also bounds the work), then copies with the GIL
+ * released, so several Python threads can each run a share of one transfer at a time.
  *
  * With streaming=True, x86-64 builds write with non-temporal stores: a transfer larger than
  * the caches gains the read-for-ownership traffic that ordinary stores cost, and the copy
@@ -65,6 +66,11 @@ static int check_desc(const CopyDesc *c, Py_ssize_t i, int64_t dst_size, int64_t
     }
     if (c->rows == 0 || c->row_bytes == 0)
         return 0;
+    if (c->rows > 1 && c->dst_stride < c->row_bytes) { /* also bounds the work: rows <= dst_size / row_bytes */
+        PyErr_Format(PyExc_ValueError, "copy descriptor %zd writes overlapping rows (stride %lld < row %lld bytes)", i,
+                     (long long)c->dst_stride, (long long)c->row_bytes);
+        return -1;
+    }
     int64_t dst_end = side_end(c->dst, c->rows, c->row_bytes, c->dst_stride);
     int64_t src_end = side_end(c->src, c->rows, c->row_bytes, c->src_stride);
     if (dst_end < 0 || dst_end > dst_size) {
@@ -100,11 +106,12 @@ static void copy_all(char *dst, const char *src, const CopyDesc *descs, Py_ssize
         Py_ssize_t last = first + group < n ? first + group : n;
         int64_t rows = 0;
         for (Py_ssize_t i = first; i < last; i++)
-            rows = descs[i].rows > rows ? descs[i].rows : rows;
+            if (descs[i].row_bytes > 0 && descs[i].rows > rows)
+                rows = descs[i].rows;
         for (int64_t r = 0; r < rows; r++) {
             for (Py_ssize_t i = first; i < last; i++) {
                 const CopyDesc *c = &descs[i];
-                if (r < c->rows)
+                if (r < c->rows && c->row_bytes > 0)
                     copy_row(dst + c->dst + r * c->dst_stride, src + c->src + r * c->src_stride, (size_t)c->row_bytes,
                              streaming);
             }
@@ -117,22 +124,33 @@ static void copy_all(char *dst, const char *src, const CopyDesc *descs, Py_ssize
 }
 
 static int is_int64_format(const char *format) {
+    const uint16_t probe = 1;
+    int little_endian = *(const unsigned char *)&probe == 1;
     if (format == NULL)
         return 0;
-    if (*format == '<' || *format == '=' || *format == '@')
+    if (*format == '=' || *format == '@' || (*format == (little_endian ? '<' : '>')))
         format++;
     return (strcmp(format, "q") == 0 || (strcmp(format, "l") == 0 && sizeof(long) == 8));
 }
 
+/* PyArg "O&" converter: a Python int in [0, 2**64) as an address (OverflowError otherwise). */
+static int to_address(PyObject *obj, void *out) {
+    unsigned long long value = PyLong_AsUnsignedLongLong(obj);
+    if (value == (unsigned long long)-1 && PyErr_Occurred())
+        return 0;
+    *(uintptr_t *)out = (uintptr_t)value;
+    return 1;
+}
+
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
-    unsigned long long dst_addr, src_addr;
+    uintptr_t dst_addr, src_addr;
     long long dst_size, src_size;
     PyObject *desc_obj;
     Py_ssize_t group;
     int streaming;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KLKLOnp", &dst_addr, &dst_size, &src_addr, &src_size, &desc_obj, &group,
-                          &streaming))
+    if (!PyArg_ParseTuple(args, "O&LO&LOnp", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
+                          &desc_obj, &group, &streaming))
         return NULL;
     if (group < 1)
         return PyErr_Format(PyExc_ValueError, "group must be >= 1, got %zd", group);
@@ -146,22 +164,30 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "descriptors must be a C-contiguous int64 array of shape (n, %d)",
                             DESC_FIELDS);
     }
-    const CopyDesc *descs = (const CopyDesc *)view.buf;
+    /* A private copy: checked and copied from memory no other thread can change meanwhile
+     * (and aligned, whatever the caller's buffer). */
     Py_ssize_t n = view.shape[0];
+    CopyDesc *descs = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(CopyDesc) : 1);
+    if (descs == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    memcpy(descs, view.buf, (size_t)n * sizeof(CopyDesc));
+    PyBuffer_Release(&view);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (check_desc(&descs[i], i, dst_size, src_size) < 0) {
-            PyBuffer_Release(&view);
+            PyMem_Free(descs);
             return NULL;
         }
     }
     if (n > 0 && (dst_addr == 0 || src_addr == 0)) {
-        PyBuffer_Release(&view);
+        PyMem_Free(descs);
         return PyErr_Format(PyExc_ValueError, "buffer addresses must be non-zero");
     }
     Py_BEGIN_ALLOW_THREADS
-    copy_all((char *)(uintptr_t)dst_addr, (const char *)(uintptr_t)src_addr, descs, n, group, streaming);
+    copy_all((char *)dst_addr, (const char *)src_addr, descs, n, group, streaming);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
+    PyMem_Free(descs);
     Py_RETURN_NONE;
 }
 
@@ -177,6 +203,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_native", "Batched strided row copies for hicache's CPU transfer path.", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {

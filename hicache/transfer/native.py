@@ -29,7 +29,7 @@ try:
 except ImportError:  # built by setup.py where a C compiler exists
     _native = None
 
-MERGE_CAP = 1 << 20  # largest merged copy: keeps the shares of a transfer even
+MERGE_CAP = 1 << 20  # merged copies end once past this (so at most MERGE_CAP + one chunk): even shares
 STREAM_MIN_BYTES = 16 << 20  # about half the L3 of a server core complex; below it stay cached
 
 DST, SRC, ROWS, ROW_BYTES, DST_STRIDE, SRC_STRIDE = range(6)
@@ -89,7 +89,9 @@ def descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequen
 
 
 def merge(descs: np.ndarray) -> np.ndarray:
-    """Join single-row descriptors that continue the previous one on both sides, up to MERGE_CAP bytes."""
+    """Join single-row descriptors that continue the previous one on both sides. A merged copy
+    takes chunks while its first MERGE_CAP bytes are not yet full, so it ends below
+    MERGE_CAP plus one chunk."""
     if len(descs) < 2:
         return descs
     single = descs[:, ROWS] == 1
@@ -129,9 +131,16 @@ def split(batch: CopyBatch, shares: int) -> list[np.ndarray]:
     return [part for part in np.split(descs, cuts) if len(part)]
 
 
-def copy_calls(src: FlatPool, dst: FlatPool, batch: CopyBatch, shares: int) -> list[Callable[[], None]]:
-    """One call per share that copies its descriptors from src to dst (each releases the GIL)."""
+def copy_calls(
+    src: FlatPool, dst: FlatPool, batch: CopyBatch, shares: int, streaming: bool | None = None
+) -> list[Callable[[], None]]:
+    """One call per share that copies its descriptors from src to dst (each releases the GIL).
+
+    Each call checks its own share before copying (ValueError); shares are independent.
+    streaming: non-temporal stores; None picks them for batches of STREAM_MIN_BYTES or more.
+    """
     assert _native is not None, "the hicache C extension is not built"
-    streaming = batch.nbytes >= STREAM_MIN_BYTES
+    if streaming is None:
+        streaming = batch.nbytes >= STREAM_MIN_BYTES
     copy = partial(_native.copy_rows, dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes)
     return [partial(copy, part, batch.group, streaming) for part in split(batch, shares)]

@@ -78,6 +78,8 @@ def copy_pages_triton(src: FlatPool, dst: FlatPool, plan: TransferPlan) -> None:
     """Launch one kernel per buffer that copies plan.src_pages -> plan.dst_pages for plan.layers.
 
     The single launcher of _copy_chunks_kernel: it checks devices, dtypes and contiguity.
+    On CUDA a host pool must be pinned (HostKVPool registers its memory): Triton maps each
+    pointer argument to a device pointer and refuses pageable memory with ValueError.
     """
     assert src.geometry == dst.geometry, "pools of different geometries"
     assert src.flat.dtype == torch.uint8 and dst.flat.dtype == torch.uint8
