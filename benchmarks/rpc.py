@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         [sys.executable, "-m", "server", "--socket", sock, "--page-size", str(args.page_size)]
         + ["--hicache-ratio", str(ratio), "--hicache-mem-layout", args.layout, "--log-level", "WARNING"],
         cwd=ROOT,
+        stdout=sys.stderr,  # keep this process's stdout for the report (--json must parse)
     )
     dev = DeviceKVPool(g, device_pages)
     dev.flat.copy_(torch.randint(0, 256, (dev.nbytes,), dtype=torch.uint8))
