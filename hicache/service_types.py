@@ -161,6 +161,7 @@ class PoolStats:
     storage_backend: str = "none"
     storage_healthy: bool = True
     storage_write_queue: int = 0
+    copy_backend: str = ""  # TransferEngine.backend: native | torch | triton
 
 
 @dataclass(frozen=True)

@@ -329,6 +329,7 @@ class RegisteredPool:
                 self.cache.storage.backend,
                 bool(cs["storage_healthy"]),
                 cs["write_queue_depth"],
+                self.engine.backend,
             )
 
     # ---- lifecycle ----------------------------------------------------------------------------

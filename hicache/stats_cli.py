@@ -24,7 +24,8 @@ def format_table(pools: list[PoolStats]) -> str:
         return "no pools registered"
     head = (
         f"{'pool':22} {'group':5} {'namespace':14} {'host used':>11} {'pinned':>6} "
-        f"{'offload GB':>10} {'GB/s':>6} {'reload GB':>9} {'GB/s':>6} {'in flight':>9}  tiers (pages hits/misses)"
+        f"{'offload GB':>10} {'GB/s':>6} {'reload GB':>9} {'GB/s':>6} {'copies':>6} {'in flight':>9}  "
+        "tiers (pages hits/misses)"
     )
     lines = [head, "-" * len(head)]
     for s in pools:
@@ -32,7 +33,7 @@ def format_table(pools: list[PoolStats]) -> str:
         lines.append(
             f"{s.pool_id:22} {s.group:5} {s.namespace[:14]:14} {f'{s.used_pages}/{s.host_pages}':>11} "
             f"{s.pinned_pages:>6} {s.offload_bytes / 1e9:>10.3f} {s.offload_gbps:>6.2f} "
-            f"{s.reload_bytes / 1e9:>9.3f} {s.reload_gbps:>6.2f} {s.ops_in_flight:>9}  {tiers}"
+            f"{s.reload_bytes / 1e9:>9.3f} {s.reload_gbps:>6.2f} {s.copy_backend:>6} {s.ops_in_flight:>9}  {tiers}"
         )
     return "\n".join(lines)
 

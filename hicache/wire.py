@@ -124,6 +124,7 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
         storage_backend=s.storage_backend,
         storage_healthy=s.storage_healthy,
         storage_write_queue=s.storage_write_queue,
+        copy_backend=s.copy_backend,
     )
 
 
@@ -148,4 +149,5 @@ def stats_from_pb(m: pb.PoolStats) -> PoolStats:
         m.storage_backend,
         m.storage_healthy,
         m.storage_write_queue,
+        m.copy_backend,
     )

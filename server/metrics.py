@@ -11,6 +11,7 @@ nothing here adds work to a call), and an interceptor times every RPC:
   hicache_transfer_gbps{direction}              device<->host copy rate (cumulative bytes / copy time)
   hicache_host_pool_pages{state}                total, used, pinned; hicache_host_pool_occupancy_ratio
   hicache_storage_healthy{backend}, hicache_storage_write_queue_pages, hicache_pools
+  hicache_copy_backend_info{backend}            1 for the pool's copy path: native, torch or triton
   hicache_rpc_duration_seconds{method,code}     histogram of every RPC
 
 Per-pool series carry the labels pool, group and namespace.
@@ -55,6 +56,11 @@ class ServiceCollector(Collector):
         occupancy = g("hicache_host_pool_occupancy_ratio", "Used / total host pool pages", labels=POOL)
         healthy = g("hicache_storage_healthy", "1 if the storage tier can serve", labels=[*POOL, "backend"])
         queue = g("hicache_storage_write_queue_pages", "Pages waiting to be written to storage", labels=POOL)
+        copies = g(
+            "hicache_copy_backend_info",
+            "1 for the backend of the pool's device<->host copies",
+            labels=[*POOL, "backend"],
+        )
         pools = self.service.pool_snapshots()
         for pool in pools:
             try:
@@ -85,7 +91,8 @@ class ServiceCollector(Collector):
             occupancy.add_metric(ids, s.used_pages / max(s.host_pages, 1))
             healthy.add_metric([*ids, s.storage_backend], 1.0 if s.storage_healthy else 0.0)
             queue.add_metric(ids, s.storage_write_queue)
-        yield from (pages, nbytes, hits, misses, evictions, checksum, gbps, host, occupancy, healthy, queue)
+            copies.add_metric([*ids, s.copy_backend], 1.0)
+        yield from (pages, nbytes, hits, misses, evictions, checksum, gbps, host, occupancy, healthy, queue, copies)
         yield GaugeMetricFamily("hicache_pools", "Registered pools", value=len(pools))
 
 

@@ -12,6 +12,7 @@ from sidecar_util import filled_device, mimo_geometries
 from hicache.cli import main
 from hicache.client import HiCacheClient
 from hicache.service_types import ServiceConfig
+from hicache.transfer import native
 from server import ServerConfig, create_server
 
 
@@ -33,6 +34,7 @@ def test_health_and_stats_commands(capsys):
             (pool,) = report["pools"]
             assert pool["pool_id"] == info.pool_id and pool["used_pages"] == 2 and pool["namespace"] == "tenant-a"
             assert pool["tiers"]["host"]["pages"] == 2
+            assert pool["copy_backend"] == ("native" if native.available() else "torch")
             assert main(["stats", "--target", address]) == 0
             table = capsys.readouterr().out
             assert info.pool_id in table and "2/8" in table

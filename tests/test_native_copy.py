@@ -197,11 +197,13 @@ def test_streaming_threaded_roundtrip_is_bit_exact(layout, dtype, monkeypatch):
     assert int(back.chunks(0, 0, 1, 9, 1).count_nonzero()) == 0  # layer 1 was not reloaded
 
 
-def test_auto_backend_and_unavailable_native(monkeypatch):
+def test_auto_backend_and_unavailable_native(monkeypatch, caplog):
     g = KVGeometry(layer_num=1, head_num=1, head_dim=16, v_head_dim=8)
     dev, host = DeviceKVPool(g, 2), HostKVPool(g, 2)
     assert TransferEngine(dev, host).backend == ("native" if native.available() else "torch")
     monkeypatch.setattr(native, "_native", None)
+    engine_module._warn_torch_fallback.cache_clear()
     assert TransferEngine(dev, host).backend == "torch"
+    assert "CPU copies use the slower torch path" in caplog.text
     with pytest.raises(ValueError, match="backend 'native' is not available .*_native is not built"):
         TransferEngine(dev, host, "native")

@@ -21,6 +21,7 @@ from hicache.cache.config import HiCacheConfig
 from hicache.client import HiCacheClient
 from hicache.health import check_health
 from hicache.service_types import ServiceConfig
+from hicache.transfer import native
 from server import ServerConfig, create_server, parse_args
 from server.config import build_parser
 from server.envflags import env_argv, env_name, unknown_variables
@@ -139,6 +140,8 @@ def test_metrics_count_pages_bytes_tiers_and_rpc_latency(sockdir):
         assert m[("hicache_checksum_failures_total", (g, ("tier", "storage")))] == 0
         assert m[("hicache_storage_healthy", (("backend", "file"), g))] == 1.0
         assert m[("hicache_pools", ())] == 1
+        backend = "native" if native.available() else "torch"
+        assert m[("hicache_copy_backend_info", (("backend", backend), g))] == 1.0
         assert m[("hicache_rpc_duration_seconds_count", (("code", "OK"), ("method", "Offload")))] == 2
         assert m[("hicache_rpc_duration_seconds_count", (("code", "OK"), ("method", "RegisterPool")))] == 1
         dev.close()

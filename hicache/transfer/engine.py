@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -21,6 +23,17 @@ from hicache.transfer.writers import WriterRegistry
 
 Backend = Literal["auto", "native", "torch", "triton"]
 Pool = DeviceKVPool | HostKVPool
+
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _warn_torch_fallback() -> None:
+    log.warning(
+        "hicache.transfer._native is not built (no C compiler at install time?): CPU copies use "
+        "the slower torch path; reinstall with a C compiler (`pip install -e .`) to build it"
+    )
 
 
 class TransferEngine:
@@ -71,6 +84,8 @@ class TransferEngine:
         self.backend: Backend = backend
         if backend == "auto":
             self.backend = "triton" if on_cuda else "native" if native.available() else "torch"
+            if self.backend == "torch":
+                _warn_torch_fallback()
         self._copy_threads = copy_threads
         self._cuda: CudaCopier | None = None
         if on_cuda and backend != "torch":
