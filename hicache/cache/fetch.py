@@ -14,7 +14,7 @@ from hicache.cache.prefetch import PrefetchHandle
 from hicache.cache.write_policy import WritePolicyMixin
 
 
-def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+def unique_keys(keys: Sequence[bytes]) -> list[bytes]:
     """`keys` as a list; ValueError for a key that is not non-empty bytes, or duplicates."""
     keys = list(keys)
     for k in keys:
@@ -42,7 +42,7 @@ class FetchMixin(WritePolicyMixin):
         progress and its result() waits as `policy` (default: the cache's) says. Pages that
         do not fit (pinned/referenced pages fill the pool) are not fetched. Raises ValueError
         for bad keys or an unknown policy."""
-        keys = check_keys(keys)
+        keys = unique_keys(keys)
         chosen = check_prefetch_policy(policy if policy is not None else self.prefetch_policy)
         with self._lock:
             rest = keys[self.index.prefix_length(keys) :]

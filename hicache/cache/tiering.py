@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from hicache.cache.fetch import FetchMixin, check_keys
+from hicache.cache.fetch import FetchMixin, unique_keys
 from hicache.cache.index import HostIndex
 from hicache.cache.key_ops import KeyOpsMixin
 from hicache.cache.policies import (
@@ -135,7 +135,7 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         needed; keys already on host become most recently used. None, with no page taken,
         when there is no room (pinned/referenced pages fill the pool); with partial=True,
         the earliest new keys that fit are reserved and the rest listed as refused."""
-        keys = check_keys(keys)
+        keys = unique_keys(keys)
         with self._lock:
             existing = [(k, p) for k in keys if (p := self.index.page_of(k)) is not None]
             pending = [k for k in keys if k in self._pending]
@@ -214,7 +214,7 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         storage; keys only in storage are fetched into host first (source "storage").
         Waits for in-flight prefetches of these keys. Call release(result.keys) after the
         host -> device copy."""
-        keys = check_keys(keys)
+        keys = unique_keys(keys)
         with self._lock:
             tasks = {id(t): t for k in keys if isinstance(t := self._pending.get(k), PrefetchHandle)}
         for t in tasks.values():
