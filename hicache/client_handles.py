@@ -10,6 +10,7 @@ import grpc
 
 from hicache import wire
 from hicache.service_types import OpEvent, TransferResult
+from hicache.validate import is_int
 
 
 class HiCacheRpcError(Exception):
@@ -70,7 +71,7 @@ class ReloadHandle:
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Block until `layer` is reloaded. Raises ValueError for a bad layer, RuntimeError if
         the reload failed, TimeoutError after `timeout` s."""
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.layer_num:
+        if not is_int(layer) or not 0 <= layer < self.layer_num:
             raise ValueError(f"layer {layer!r} out of range [0, {self.layer_num})")
         self._wait(lambda: self._layers_done > layer, timeout)
 

@@ -10,6 +10,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hicache.validate import is_int
+
 Attention = Literal["mha", "mla"]
 Side = Literal["k", "v"]
 
@@ -282,7 +284,7 @@ class KVGeometry:
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(f"KVGeometry.{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"KVGeometry.{name} must be >= {minimum}, got {value}")

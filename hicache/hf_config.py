@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hicache.validate import is_int
+
 if TYPE_CHECKING:
     from hicache.geometry import KVGeometry
 
@@ -33,7 +35,7 @@ def geometry_kwargs(config: dict[str, Any], *, tp_size: int, page_size: int, dty
     cfg = config.get("text_config") or config
     if group not in GROUPS:
         raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+    if not is_int(tp_size) or tp_size < 1:
         raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
     dtype = _resolve_auto(dtype, cfg)
     layer_num = _req_int(cfg, "num_hidden_layers")
@@ -109,7 +111,7 @@ def _split_layers(cfg: dict[str, Any], layer_num: int) -> tuple[list[int], list[
         return full, [i for i in layers if types[i] == "sliding_attention"]
     every = cfg.get("sliding_window_pattern")
     if every is not None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not is_int(every) or every < 1:
             raise ValueError(f"sliding_window_pattern must be an int >= 1, got {every!r}")
         return [i for i in layers if (i + 1) % every == 0], [i for i in layers if (i + 1) % every]
     return list(layers), []
@@ -132,7 +134,7 @@ def _opt_int(cfg: dict[str, Any], key: str) -> int | None:
     value = cfg.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(f"config {key} must be an int, got {value!r}")
     return value
 

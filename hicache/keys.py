@@ -16,6 +16,8 @@ from typing import Literal
 
 import numpy as np
 
+from hicache.validate import is_int
+
 HashName = Literal["sha256", "xxh128"]
 KEY_BYTES: dict[str, int] = {"sha256": 32, "xxh128": 16}
 
@@ -54,7 +56,7 @@ def page_keys(
     Raises ValueError for page_size < 1, a non-str namespace, a malformed parent or
     negative / non-integer token ids.
     """
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+    if not is_int(page_size) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if not isinstance(namespace, str):
         raise ValueError(f"namespace must be a str, got {type(namespace).__name__}")

@@ -25,6 +25,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
+from hicache.validate import is_int
+
 ShmKind = Literal["shm", "cuda_ipc", "local"]
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 SHM_PREFIX = "hicache-"
@@ -71,7 +73,7 @@ class SharedBuffer:
 
 
 def _check_nbytes(nbytes: int) -> None:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+    if not is_int(nbytes) or nbytes < 1:
         raise ValueError(f"nbytes must be an int >= 1, got {nbytes!r}")
 
 

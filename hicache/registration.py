@@ -8,6 +8,7 @@ from hicache.geometry import KVGeometry
 from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, MemoryHandle, cuda_available, cuda_device_count
 from hicache.pools import DeviceKVPool
+from hicache.validate import is_int
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class PoolRequest:
     def check(self, expected: dict[str, KVGeometry] | None, storage_backend: str) -> None:
         """Raises ValueError naming the first bad value; nothing is mapped or allocated yet."""
         check_geometry(expected, self.group, self.geometry)
-        if isinstance(self.device_pages, bool) or not isinstance(self.device_pages, int) or self.device_pages < 1:
+        if not is_int(self.device_pages) or self.device_pages < 1:
             raise ValueError(f"device_pages must be an int >= 1, got {self.device_pages!r}")
         if self.key_hash not in KEY_BYTES:
             raise ValueError(f"unknown key hash {self.key_hash!r}; expected one of {list(KEY_BYTES)}")
@@ -41,9 +42,9 @@ class PoolRequest:
                 f"(backend {storage_backend!r}), got ''"
             )
         tp_size, tp_rank = self.tp_size, self.tp_rank
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        if not is_int(tp_size) or tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        if not is_int(tp_rank) or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
         need = self.geometry.pool_bytes(self.device_pages)
         if self.device_memory.nbytes != need:
@@ -108,5 +109,5 @@ def check_cuda_ipc(memory: MemoryHandle, cuda_device: int) -> None:
     if len(memory.ipc_handle) != CUDA_IPC_HANDLE_BYTES:
         raise ValueError(f"cuda_ipc handle must be {CUDA_IPC_HANDLE_BYTES} bytes, got {len(memory.ipc_handle)}")
     count = cuda_device_count()
-    if isinstance(cuda_device, bool) or not isinstance(cuda_device, int) or not 0 <= cuda_device < count:
+    if not is_int(cuda_device) or not 0 <= cuda_device < count:
         raise ValueError(f"cuda_device {cuda_device!r} out of range: the sidecar sees {count} CUDA devices")

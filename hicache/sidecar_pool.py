@@ -32,6 +32,7 @@ from hicache.service_types import (
 )
 from hicache.transfer import TransferEngine
 from hicache.transfer.engine import Backend
+from hicache.validate import is_int
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,7 @@ class RegisteredPool:
         storage), or, with no keys, free up to num_pages least recently used pages (write_back
         stores them first). Raises ValueError for both or neither."""
         ks = self.check_keys(keys)
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+        if not is_int(num_pages) or num_pages < 0:
             raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
         if bool(ks) == bool(num_pages):
             raise ValueError(f"give either keys or num_pages, got {len(ks)} keys and num_pages={num_pages}")

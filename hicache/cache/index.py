@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from hicache.validate import is_int
+
 
 class _Entry:
     __slots__ = ("page", "pins", "refs")
@@ -31,7 +33,7 @@ class HostIndex:
     """
 
     def __init__(self, num_pages: int):
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+        if not is_int(num_pages) or num_pages < 1:
             raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low pages first
@@ -86,7 +88,7 @@ class HostIndex:
         free + evictable pages < n. The evicted pages are among the returned ones: a
         caller that keeps evicted data (write-back) must read it before overwriting.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"page count must be an int >= 0, got {n!r}")
         if n > len(self._free) + len(self._lru):
             return None

@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from hicache.validate import is_int
+
 
 class DeviceCache:
     """Raises ValueError for a bad page count, KeyError for a page in the wrong state."""
 
     def __init__(self, num_pages: int):
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+        if not is_int(num_pages) or num_pages < 1:
             raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first

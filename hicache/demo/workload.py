@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hicache.validate import is_int
+
 
 @dataclass(frozen=True)
 class Request:
@@ -31,7 +33,7 @@ class ChatWorkload:
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "vocab"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.system_tokens < 0:
             raise ValueError(f"system_tokens must be >= 0, got {self.system_tokens}")

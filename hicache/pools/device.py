@@ -8,6 +8,7 @@ from hicache.geometry import KVGeometry
 from hicache.memory import MemoryHandle, SharedBuffer, alloc_device, open_cuda_ipc, open_shm
 from hicache.pools.flat import FlatPool
 from hicache.pools.layouts import LayerFirst
+from hicache.validate import is_int
 
 
 class DeviceKVPool(FlatPool):
@@ -60,7 +61,7 @@ class DeviceKVPool(FlatPool):
 
     def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Every buffer of pool-local `layer`, in geometry.buffers order. Raises ValueError."""
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.geometry.layer_num:
+        if not is_int(layer) or not 0 <= layer < self.geometry.layer_num:
             raise ValueError(f"layer {layer!r} out of range [0, {self.geometry.layer_num})")
         return self._views[layer]
 

@@ -7,6 +7,7 @@ import torch
 from hicache.geometry import KVGeometry
 from hicache.memory import MemoryHandle, SharedBuffer, local_buffer, wrap_tensor
 from hicache.pools.layouts import Layout, canonical_page_layout
+from hicache.validate import is_int
 
 
 class FlatPool:
@@ -73,7 +74,7 @@ class FlatPool:
         _copy_page(page_pool, 0, self, page)
 
     def _check_page(self, page: int) -> None:
-        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+        if not is_int(page) or not 0 <= page < self.num_pages:
             raise ValueError(f"page {page!r} out of range [0, {self.num_pages})")
 
     def check_integrity(self) -> None:

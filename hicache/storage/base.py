@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from hicache.geometry import KVGeometry
+from hicache.validate import is_int
 
 Buffer = bytes | bytearray | memoryview
 
@@ -42,7 +43,7 @@ class TierIdentity:
             ok = False
         if not ok:
             raise ValueError(f"fingerprint must be 16 hex digits, got {self.fingerprint!r}")
-        if isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int) or self.page_bytes < 1:
+        if not is_int(self.page_bytes) or self.page_bytes < 1:
             raise ValueError(f"page_bytes must be an int >= 1, got {self.page_bytes!r}")
         if not isinstance(self.model_id, str) or not self.model_id:
             raise ValueError(f"model_id must be a non-empty str (name + revision), got {self.model_id!r}")

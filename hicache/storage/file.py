@@ -22,6 +22,7 @@ from pathlib import Path
 
 from hicache.storage import page_format as fmt
 from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity, TierStats
+from hicache.validate import is_int
 
 PAGE_SUFFIX = ".page"
 TMP_SUFFIX = ".tmp"
@@ -45,7 +46,7 @@ class FileTier(StorageTier):
         fsync: bool = True,
     ):
         super().__init__(identity)
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+        if max_bytes is not None and (not is_int(max_bytes) or max_bytes < 1):
             raise ValueError(f"max_bytes must be an int >= 1 or None, got {max_bytes!r}")
         self.root = Path(directory) / identity.qualifier
         self.max_bytes = max_bytes

@@ -19,6 +19,7 @@ import torch
 
 from hicache.pools.flat import FlatPool
 from hicache.transfer.plan import TransferPlan
+from hicache.validate import is_int
 
 INLINE_BYTES = 1 << 20  # below this a transfer runs in the calling thread
 
@@ -119,7 +120,7 @@ class CpuCopier:
 
     def __init__(self, threads: int | None = None):
         count = torch.get_num_threads() if threads is None else threads
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        if not is_int(count) or count < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         self.threads = count
         self._pool: ThreadPoolExecutor | None = None

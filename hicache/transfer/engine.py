@@ -20,6 +20,7 @@ from hicache.transfer.cuda import CudaCopier, layer_plan
 from hicache.transfer.handles import CpuTransferHandle, CudaTransferHandle, TransferHandle
 from hicache.transfer.plan import PageList, TransferPlan, make_plan
 from hicache.transfer.writers import WriterRegistry
+from hicache.validate import is_int
 
 Backend = Literal["auto", "native", "torch", "triton"]
 Pool = DeviceKVPool | HostKVPool
@@ -74,7 +75,7 @@ class TransferEngine:
             raise ValueError(f"backend 'native' is not available for {why}")
         if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend 'triton' on a CPU pool needs TRITON_INTERPRET=1")
-        if copy_threads is not None and (isinstance(copy_threads, bool) or not isinstance(copy_threads, int)):
+        if copy_threads is not None and (not is_int(copy_threads)):
             raise ValueError(f"copy_threads must be an int >= 1 or None, got {copy_threads!r}")
         if copy_threads is not None and copy_threads < 1:
             raise ValueError(f"copy_threads must be an int >= 1 or None, got {copy_threads!r}")
