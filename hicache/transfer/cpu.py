@@ -1,4 +1,5 @@
-"""The CPU copy path: strided torch copies spread over a small pool of copy threads.
+"""The torch CPU copy path (used without the C extension, see native.py) and the pool of
+copy threads that both CPU paths run their shares on.
 
 A transfer becomes a list of (destination, source) strided views, one per (page run,
 layer run, buffer). `CpuCopier` cuts the list into byte-balanced shares and hands one

@@ -75,9 +75,7 @@ class TransferEngine:
             raise ValueError(f"backend 'native' is not available for {why}")
         if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend 'triton' on a CPU pool needs TRITON_INTERPRET=1")
-        if copy_threads is not None and (not is_int(copy_threads)):
-            raise ValueError(f"copy_threads must be an int >= 1 or None, got {copy_threads!r}")
-        if copy_threads is not None and copy_threads < 1:
+        if copy_threads is not None and (not is_int(copy_threads) or copy_threads < 1):
             raise ValueError(f"copy_threads must be an int >= 1 or None, got {copy_threads!r}")
         self.device_pool = device_pool
         self.host_pool = host_pool

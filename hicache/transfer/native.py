@@ -2,7 +2,7 @@
 
 Every (page, layer, buffer) chunk of a transfer becomes a descriptor (dst, src, rows,
 row_bytes, dst_stride, src_stride) computed from the two layouts' strides with numpy, in
-destination order; chunks adjacent on both sides (page runs) merge into one copy of at most
+destination order; chunks adjacent on both sides (page runs) merge into copies of about
 MERGE_CAP bytes. The C extension (_native.c) copies a whole descriptor array per call with
 the GIL released, so the Python cost is per transfer, not per page, and the copy threads
 run in parallel. Transfers of STREAM_MIN_BYTES or more use non-temporal stores.
