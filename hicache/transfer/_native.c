@@ -7,8 +7,8 @@
  * released, so several Python threads can each run a share of one transfer at a time.
  *
  * With streaming=True, x86-64 builds write with non-temporal stores: a transfer larger than
- * the caches gains the read-for-ownership traffic that ordinary stores cost, and the copy
- * does not evict the caller's working set. Other CPUs use memcpy either way.
+ * the caches saves the read-for-ownership traffic that ordinary stores cost (each destination
+ * line read before it is overwritten), and does not evict the caller's working set. Other CPUs use memcpy either way.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -184,6 +184,8 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
         PyMem_Free(descs);
         return PyErr_Format(PyExc_ValueError, "buffer addresses must be non-zero");
     }
+    if (group > n) /* one group of everything; also keeps first + group from overflowing */
+        group = n > 0 ? n : 1;
     Py_BEGIN_ALLOW_THREADS
     copy_all((char *)dst_addr, (const char *)src_addr, descs, n, group, streaming);
     Py_END_ALLOW_THREADS
