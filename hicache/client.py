@@ -262,10 +262,14 @@ class HiCacheClient:
         r = self._call(self._stub.Prefetch, req)
         return PrefetchOutcome(wire.statuses_from_pb(r.statuses), r.op_id, r.done, r.timed_out)
 
-    def watch(self, op_id: str, *, pool: str | None = None) -> Iterator[OpEvent]:
-        """The progress events of an operation (a layer-wise reload or a prefetch) until it ends."""
+    def watch(self, op_id: str, *, pool: str | None = None, no_deadline: bool = False) -> Iterator[OpEvent]:
+        """The progress events of an operation (a layer-wise reload or a prefetch) until it ends.
+
+        The whole stream has the client's timeout as its deadline; no_deadline=True follows
+        the operation however long it runs (a large best_effort prefetch)."""
         req = pb.WatchRequest(pool_id=self._pool(pool).pool_id, op_id=op_id)
-        for msg in self._stub.Watch(req, timeout=self.timeout, metadata=self._metadata):
+        deadline = None if no_deadline else self.timeout
+        for msg in self._stub.Watch(req, timeout=deadline, metadata=self._metadata):
             yield wire.event_from_pb(msg)
 
     def evict(self, keys: Sequence[bytes] = (), num_pages: int = 0, *, pool: str | None = None) -> EvictResult:

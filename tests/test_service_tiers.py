@@ -258,6 +258,13 @@ def test_prefetch_and_watch_over_grpc(tmp_path):
             assert out.done and out.statuses == (S.FETCHED,) * 3
             events = list(client.watch(out.op_id))
             assert events[-1].kind == "done" and events[-1].layers_done == 3
+            assert list(client.watch(out.op_id, no_deadline=True)) == events
+            deadlines = []
+            watch = client._stub.Watch
+            client._stub.Watch = lambda req, **kw: deadlines.append(kw["timeout"]) or watch(req, **kw)
+            list(client.watch(out.op_id)), list(client.watch(out.op_id, no_deadline=True))
+            assert deadlines == [30, None]
+            client._stub.Watch = watch
             dev.flat.zero_()
             assert client.reload(ks, [3, 2, 1]).statuses == (S.LOADED,) * 3
             assert all(torch.equal(src[i], dev.read_page(3 - i)) for i in range(3))
