@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 
+from hicache.cache.prefetch import PrefetchHandle
 from hicache.service_types import OpEvent
 
 
@@ -72,3 +74,39 @@ class OperationTable:
 
     def in_flight(self) -> list[Operation]:
         return [o for o in self._ops.values() if not o.finished]
+
+
+def operation_events(op: Operation | PrefetchHandle, cancelled: Callable[[], bool], poll_s: float) -> Iterator[OpEvent]:
+    """Every event of `op` from its start, blocking (poll_s at a time) for new ones, until it
+    finishes or cancelled() is true: a reload's per-layer events, or a prefetch's progress."""
+    if isinstance(op, PrefetchHandle):
+        yield from _prefetch_events(op, cancelled, poll_s)
+        return
+    seen = 0
+    while not cancelled():
+        new, finished = op.events_since(seen, poll_s)
+        seen += len(new)
+        yield from new
+        if finished and not new:
+            return
+
+
+def _prefetch_events(handle: PrefetchHandle, cancelled: Callable[[], bool], poll_s: float) -> Iterator[OpEvent]:
+    """A prefetch's progress: a "progress" event (pages done of total) per change, then
+    "done", or "failed" naming the pages not fetched."""
+    seen = None
+    while not cancelled():
+        status = handle.wait_for_update(seen, poll_s)
+        if status == seen:
+            continue
+        seen = status
+        if not status.finished:
+            yield OpEvent("progress", 0, status.done, status.total)
+            continue
+        if status.failed:
+            yield OpEvent(
+                "failed", 0, status.done, status.total, f"{status.failed} of {status.total} pages not fetched"
+            )
+        else:
+            yield OpEvent("done", 0, status.done, status.total)
+        return

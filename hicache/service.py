@@ -23,7 +23,7 @@ from hicache.cache.prefetch import PrefetchHandle
 from hicache.geometry import KVGeometry
 from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, MemoryHandle, shm_dir
-from hicache.operations import Operation
+from hicache.operations import Operation, operation_events
 from hicache.pools import HostKVPool
 from hicache.registration import PoolRequest, check_geometry, map_device
 from hicache.request_cache import RequestCache, fingerprint
@@ -289,20 +289,7 @@ class HiCacheService:
     ) -> Iterator[OpEvent]:
         """Every event of the operation from its start, blocking for new ones, until it
         finishes or cancelled() is true. Raises KeyError for an unknown id."""
-        op = self.operation(pool_id, op_id)
-        if isinstance(op, PrefetchHandle):
-            return _prefetch_events(op, cancelled, poll_s)
-
-        def events() -> Iterator[OpEvent]:
-            seen = 0
-            while not cancelled():
-                new, finished = op.events_since(seen, poll_s)
-                seen += len(new)
-                yield from new
-                if finished and not new:
-                    return
-
-        return events()
+        return operation_events(self.operation(pool_id, op_id), cancelled, poll_s)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     @property
@@ -357,24 +344,3 @@ class HiCacheService:
             assert set(self._pools) == set(self._leases)
         for pool in pools:
             pool.check_integrity()
-
-
-def _prefetch_events(handle: PrefetchHandle, cancelled: Callable[[], bool], poll_s: float) -> Iterator[OpEvent]:
-    """A prefetch's progress: a "progress" event (pages done of total) per change, then
-    "done", or "failed" naming the pages not fetched."""
-    seen = None
-    while not cancelled():
-        status = handle.wait_for_update(seen, poll_s)
-        if status == seen:
-            continue
-        seen = status
-        if not status.finished:
-            yield OpEvent("progress", 0, status.done, status.total)
-            continue
-        if status.failed:
-            yield OpEvent(
-                "failed", 0, status.done, status.total, f"{status.failed} of {status.total} pages not fetched"
-            )
-        else:
-            yield OpEvent("done", 0, status.done, status.total)
-        return
