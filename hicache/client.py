@@ -254,7 +254,9 @@ class HiCacheClient:
 
     def prefetch(self, keys: Sequence[bytes], *, policy: str = "", pool: str | None = None) -> PrefetchOutcome:
         """Bring keys from the storage tier into host memory: each key is RESIDENT, FETCHING
-        (best_effort: still going; watch(op_id) streams progress), FETCHED or MISSING.
+        (best_effort: still going; watch(op_id) streams progress), FETCHED, NO_SPACE (pinned
+        or referenced pages fill the host pool), NOT_FOUND (in storage but not brought in:
+        after a gap in the chain, or the fetch failed or was cancelled) or MISSING (no tier).
         policy: best_effort | wait_complete | timeout; "" uses the sidecar's default."""
         req = pb.PrefetchRequest(
             request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), policy=policy

@@ -81,12 +81,28 @@ class RequestCache:
             result = fn()
         except BaseException:
             with self._lock:
-                self._slots.pop(key, None)
+                if self._slots.get(key) is slot:
+                    del self._slots[key]
             slot.done.set()
             raise
         slot.result, slot.ok = result, True
         slot.done.set()
         with self._lock:
-            while len(self._slots) > self.capacity:
-                self._slots.popitem(last=False)
+            self._trim_locked()
         return result
+
+    def _trim_locked(self) -> None:
+        """Forget the oldest finished answers beyond capacity. Attempts still running stay
+        (a retry of one must wait for it, not run it again), so the cache can exceed its
+        capacity by the calls in flight."""
+        excess = len(self._slots) - self.capacity
+        if excess <= 0:
+            return
+        victims: list[tuple[str, str, str]] = []
+        for key, slot in self._slots.items():
+            if len(victims) == excess:
+                break
+            if slot.done.is_set():
+                victims.append(key)
+        for key in victims:
+            del self._slots[key]

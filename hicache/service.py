@@ -252,7 +252,7 @@ class HiCacheService:
         return self._requests.run(
             ("prefetch", pool_id),
             request_id,
-            fingerprint(list(keys), policy),
+            fingerprint(list(keys), policy or ""),  # "" and None both mean the default
             lambda: pool.prefetch(keys, policy or None),
         )
 

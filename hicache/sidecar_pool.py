@@ -159,6 +159,7 @@ class RegisteredPool:
             return self._reload(ks, pages, layerwise)
 
     def _reload(self, ks: list[bytes], pages: list[int], layerwise: bool) -> TransferResult:
+        self.engine.check_device_pages(pages)  # before load() fetches or evicts anything
         loaded = self.cache.load(ks)
         op = Operation("op-" + secrets.token_hex(8), self.geometry.layer_num)
         with self.lock:
@@ -183,9 +184,10 @@ class RegisteredPool:
             self._busy += 1  # the worker's own count, dropped when it ends
         try:
             worker.start()
-        except BaseException:
+        except BaseException as exc:
             self.cache.release(loaded.keys)
             self._done_one()
+            op.failed(f"{type(exc).__name__}: {exc}", 0)
             raise
         return TransferResult(statuses, nbytes, op.op_id, False)
 
@@ -229,7 +231,10 @@ class RegisteredPool:
         """Fetch from storage into host the keys after the host-resident prefix that form a
         prefix present in storage. best_effort answers at once (FETCHING keys; Watch the op
         for progress); wait_complete waits for the end; timeout waits up to its allowance and
-        cancels the rest. Keys in no tier are MISSING. Raises ValueError for a bad policy."""
+        cancels the rest. Per key: RESIDENT (on host already), FETCHING (by this or an earlier
+        prefetch), FETCHED, NO_SPACE (in storage, but pinned or referenced pages fill the host
+        pool), NOT_FOUND (in storage but not brought in: after a gap in the chain, or its
+        fetch failed or was cancelled), MISSING (in no tier). Raises ValueError for a bad policy."""
         ks = self.check_keys(keys)
         with self._in_flight():
             return self._prefetch(ks, policy)
@@ -246,17 +251,25 @@ class RegisteredPool:
         if handle.policy != "best_effort":
             timed_out = handle.result().timed_out
         done = handle.wait(0)
-        fetching = set(handle.fetch)
         tiers = self.cache.lookup(ks)
-        fetched = KeyStatus.FETCHED if done else KeyStatus.FETCHING
-        statuses = tuple(
-            fetched
-            if k in fetching and (not done or t == "host")
-            else KeyStatus.RESIDENT
-            if t == "host"
-            else KeyStatus.MISSING
-            for k, t in zip(ks, tiers, strict=True)
-        )
+        mine = set(handle.fetch)
+        theirs = {k for h in handle.depends if not h.wait(0) for k in h.fetch}  # earlier prefetches
+        no_room = set(handle.no_room)
+
+        def status(k: bytes, tier: str) -> KeyStatus:
+            if k in mine and not done:
+                return KeyStatus.FETCHING
+            if k in mine:
+                return KeyStatus.FETCHED if tier == "host" else KeyStatus.NOT_FOUND  # failed or cancelled
+            if tier == "host":
+                return KeyStatus.RESIDENT
+            if k in theirs:
+                return KeyStatus.FETCHING
+            if k in no_room:
+                return KeyStatus.NO_SPACE
+            return KeyStatus.NOT_FOUND if tier == "storage" else KeyStatus.MISSING
+
+        statuses = tuple(status(k, t) for k, t in zip(ks, tiers, strict=True))
         return PrefetchOutcome(statuses, op_id, done, timed_out)
 
     def evict(self, keys: Sequence[bytes], num_pages: int) -> EvictResult:

@@ -122,11 +122,13 @@ def test_lookup_evict_pin_prefetch(setup):
 
 def test_evict_lru_order(setup):
     svc, dev, info = setup
-    keys = keys_for(3)
-    svc.offload("o", info.pool_id, keys, [0, 1, 2])
-    svc.lookup(info.pool_id, [keys[0]])  # keys[0] becomes most recently used
+    keys = keys_for(4)
+    svc.offload("o", info.pool_id, keys, [0, 1, 2, 3])  # a chain: its tail is evicted first
     assert svc.evict("e", info.pool_id, num_pages=1).pages_freed == 1
-    assert svc.lookup(info.pool_id, keys).tiers == (Tier.HOST, Tier.NONE, Tier.HOST)
+    assert svc.lookup(info.pool_id, keys).tiers == (Tier.HOST, Tier.HOST, Tier.HOST, Tier.NONE)
+    svc.lookup(info.pool_id, [keys[2]])  # keys[2] becomes most recently used
+    assert svc.evict("e2", info.pool_id, num_pages=1).pages_freed == 1
+    assert svc.lookup(info.pool_id, keys).tiers == (Tier.HOST, Tier.NONE, Tier.HOST, Tier.NONE)
 
 
 def _bad_calls(keys):

@@ -37,28 +37,28 @@ def host_bytes(cache: HierarchicalCache, k: bytes) -> bytes:
 def test_eviction_order_and_pins(build, name):
     g = GEOMETRIES[name]
     cache = build(name, 4)
-    assert cache.put([key(i) for i in range(4)], [payload(g, i) for i in range(4)])
+    assert cache.put([key(i) for i in range(4)], [payload(g, i) for i in range(4)])  # LRU: 3, 2, 1, 0
     cache.check_integrity()
-    got = cache.load([key(0)])  # a use: 0 becomes most recent
+    got = cache.load([key(0)])  # a use: 0 stays most recent
     assert got.sources == ["host"] and host_bytes(cache, key(0)) == payload(g, 0)
     cache.release(got.keys)
     cache.pin([key(1)])
-    assert cache.put([key(4), key(5)], [payload(g, 4), payload(g, 5)])  # evicts 2 then 3
+    assert cache.put([key(4), key(5)], [payload(g, 4), payload(g, 5)])  # evicts 3 then 2
     cache.check_integrity()
     assert cache.lookup([key(i) for i in range(6)]) == ["host", "host", "none", "none", "host", "host"]
-    res = cache.reserve([key(0), key(6)])  # LRU is 0, 4, 5: evicts 4, never 0 (in this batch)
+    res = cache.reserve([key(0), key(6)])  # LRU is 0, 5, 4: evicts 5, never 0 (in this batch)
     assert res is not None and res.existing == [(key(0), cache.index.page_of(key(0)))] and len(res.new) == 1
-    assert key(4) not in cache.index
+    assert key(5) not in cache.index
     cache.pool.write_page(res.new[0][1], payload(g, 6))
     cache.commit(res)
-    held = cache.load([key(0), key(5), key(6)])
-    assert held.keys == [key(0), key(5), key(6)]
-    assert cache.reserve([key(7)]) is None  # 1 pinned, 0/5/6 referenced: no room, nothing taken
+    held = cache.load([key(0), key(4), key(6)])
+    assert held.keys == [key(0), key(4), key(6)]
+    assert cache.reserve([key(7)]) is None  # 1 pinned, 0/4/6 referenced: no room, nothing taken
     cache.check_integrity()
     cache.unpin([key(1)])  # rejoins the LRU order before the released keys
     cache.release(held.keys)
     assert cache.evict(1) == 1 and key(1) not in cache.index
-    for i in (0, 5, 6):
+    for i in (0, 4, 6):
         assert host_bytes(cache, key(i)) == payload(g, i)
     cache.check_integrity()
 
@@ -120,8 +120,8 @@ def test_write_back(build, name):
     cache = build(name, 2, tier, write_policy="write_back")
     assert cache.put([key(0), key(1)], [payload(g, 0), payload(g, 1)])
     assert cache.flush(60) and tier.pages == {}
-    res = cache.reserve([key(2)])  # evicts 0: its bytes are captured before the page is reused
-    assert res is not None and res.new[0][1] == 0
+    res = cache.reserve([key(2)])  # evicts 1 (the batch's tail): its bytes are captured before the page is reused
+    assert res is not None and res.new[0][1] == 1
     cache.pool.write_page(res.new[0][1], payload(g, 2))
     cache.commit(res)
     assert cache.evict(5) == 2  # an explicit eviction stores too

@@ -127,6 +127,7 @@ class MemoryTier(StorageTier):
         self.write_gate.set()
         self.reads_started = threading.Semaphore(0)  # released once per batch_get call
         self.permits: threading.Semaphore | None = None  # if set, each batch_get takes one
+        self.failures: list[bool] = []  # per batch_get call, in order: True raises OSError
 
     def contains(self, key: bytes) -> bool:
         return key in self.pages
@@ -140,6 +141,8 @@ class MemoryTier(StorageTier):
         assert self.read_gate.wait(60), "test forgot to open the read gate"
         if self.permits is not None:
             assert self.permits.acquire(timeout=60), "test forgot to release a permit"
+        if self.failures and self.failures.pop(0):
+            raise OSError("injected storage read failure")
         return [self.get(k) for k in keys]
 
     def set(self, key: bytes, data: Buffer) -> bool:

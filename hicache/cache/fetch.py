@@ -6,12 +6,15 @@ cache's locking rules: pages are reserved under the lock, filled outside it, bou
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections.abc import Sequence
 
 from hicache.cache.policies import PrefetchPolicy, PrefetchTimeout, check_prefetch_policy
 from hicache.cache.prefetch import PrefetchHandle
 from hicache.cache.write_policy import WritePolicyMixin
+
+log = logging.getLogger(__name__)
 
 
 def unique_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -50,12 +53,13 @@ class FetchMixin(WritePolicyMixin):
         with self._lock:
             fetch = [k for k in rest[:present] if k not in self.index and k not in self._pending]
             pages, backups = self._reserve_locked(keys, fetch)
-            fetch = fetch[: len(pages)]
+            fetch, no_room = fetch[: len(pages)], fetch[len(pages) :]
             self._next_id += 1
             tokens = len(fetch) * self.pool.geometry.page_size
             handle = PrefetchHandle(
                 self._next_id, keys, fetch, chosen, self.prefetch_timeout.seconds(tokens), self._ready_prefix
             )
+            handle.no_room = no_room
             handle.depends = list(
                 {id(h): h for k in rest[:present] if isinstance(h := self._pending.get(k), PrefetchHandle)}.values()
             )
@@ -88,8 +92,8 @@ class FetchMixin(WritePolicyMixin):
             n = min(len(fetch), self.index.free_pages + self.index.evictable_pages)
             got = self.index.allocate(n)
         finally:
-            for k in held:
-                self.index.unref(k)
+            for k in reversed(held):
+                self.index.unref(k)  # head last: most recently used
         assert got is not None
         pages, evicted = got
         return pages, self._evicted_locked(evicted)
@@ -102,6 +106,8 @@ class FetchMixin(WritePolicyMixin):
             handle, pages = item
             try:
                 self._fetch_into(handle.fetch, pages, ref=False, handle=handle)
+            except Exception:  # a failing tier fails this prefetch's pages, never the worker
+                log.exception("prefetch %d: storage fetch failed", handle.id)
             finally:
                 handle.finish()
                 status = handle.status()
@@ -112,7 +118,9 @@ class FetchMixin(WritePolicyMixin):
 
     # ---- load's fetch -----------------------------------------------------------------------
     def _load_from_storage(self, rest: list[bytes]) -> list[tuple[bytes, int]]:
-        """Fetch the storage-present prefix of `rest` into host, referenced."""
+        """Fetch into host, referenced, the keys at the head of `rest` that are in storage
+        and not on host, up to the first one that is on host (or being filled) or missing.
+        Never evicts a resident key of `rest` to make room."""
         present = self.storage.batch_exists(rest)
         with self._lock:
             fetch = []
@@ -120,23 +128,21 @@ class FetchMixin(WritePolicyMixin):
                 if k in self.index or k in self._pending:
                     break
                 fetch.append(k)
-            pages, backups = self._reserve_locked([], fetch)
+            pages, backups = self._reserve_locked(rest, fetch)
             fetch = fetch[: len(pages)]
             for k in fetch:
                 self._pending[k] = "load"
         self._submit(self._read_evicted(backups))
-        done = self._fetch_into(fetch, pages, ref=True, handle=None)
-        with self._lock:
-            self._n["storage_hits"] += len(done)
-            self._n["storage_misses"] += len(rest) - len(done)
-        return done
+        return self._fetch_into(fetch, pages, ref=True, handle=None)
 
     def _fetch_into(
         self, keys: list[bytes], pages: list[int], *, ref: bool, handle: PrefetchHandle | None
     ) -> list[tuple[bytes, int]]:
         """Fill reserved `pages` with `keys` from storage in batches and bind them, stopping
-        at the first miss or a cancel; the unused pages go back. Returns what was bound."""
+        at the first miss or a cancel; the unused pages go back. Returns what was bound (with
+        ref, referenced; if it raises, the pages it bound stay resident, unreferenced)."""
         done: list[tuple[bytes, int]] = []
+        failed = True
         try:
             for start in range(0, len(keys), self.fetch_batch_pages):
                 if handle is not None and handle.cancelled:
@@ -160,9 +166,14 @@ class FetchMixin(WritePolicyMixin):
                     handle.advance(good)
                 if good < len(chunk):
                     break
+            failed = False
         finally:
             with self._lock:
                 for k in keys[len(done) :]:
                     self._pending.pop(k, None)
                 self.index.release(pages[len(done) :])
+                for k, _ in reversed(done):
+                    if failed and ref:
+                        self.index.unref(k)  # the caller gets no result to release
+                    self.index.touch(k)  # the run's head ends most recently used
         return done

@@ -53,6 +53,7 @@ class PrefetchHandle:
         self.started = time.monotonic()
         self._ready = ready
         self.depends: list[PrefetchHandle] = []  # in-flight prefetches filling some of `keys`
+        self.no_room: list[bytes] = []  # keys in storage that found no host page (pinned/referenced pool)
         self._cond = threading.Condition()
         self._done = 0
         self._failed = 0

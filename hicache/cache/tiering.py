@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -155,8 +156,8 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         write policy. Raises ValueError if the reservation was already committed or aborted."""
         with self._lock:
             self._take_reserved_locked(reservation)
-            for k, page in reservation.new:
-                self.index.bind(k, page)
+            for k, page in reversed(reservation.new):
+                self.index.bind(k, page)  # head last: a prefix's head outlives its tail
             keys = [k for k, _ in reservation.new]
             if self.write_policy == "write_through":
                 writes = self._queue_locked(keys)
@@ -211,43 +212,60 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
 
     def load(self, keys: Sequence[bytes]) -> LoadResult:
         """Reference the longest prefix of `keys` that is on host or can be fetched from
-        storage; keys only in storage are fetched into host first (source "storage").
-        Waits for in-flight prefetches of these keys. Call release(result.keys) after the
-        host -> device copy."""
+        storage; keys only in storage are fetched into host first (source "storage"), and
+        runs on host and in storage may alternate. Waits for in-flight prefetches of these
+        keys. Call release(result.keys) after the host -> device copy."""
         keys = unique_keys(keys)
         with self._lock:
             tasks = {id(t): t for k in keys if isinstance(t := self._pending.get(k), PrefetchHandle)}
         for t in tasks.values():
             t.wait()
-        with self._lock:
-            out: list[bytes] = []
-            for k in keys:
-                if k not in self.index:
+        out: list[bytes] = []
+        pages: list[int] = []
+        sources: list[Tier] = []
+        try:
+            while len(out) < len(keys):
+                with self._lock:
+                    run = []
+                    for k in keys[len(out) :]:
+                        if k not in self.index:
+                            break
+                        pages.append(self.index.ref(k))
+                        run.append(k)
+                    writes = self._note_use(run)
+                out += run
+                sources += ["host"] * len(run)
+                self._submit(writes)
+                rest = keys[len(out) :]
+                if not rest or not self.storage.enabled:
                     break
-                self.index.ref(k)
-                out.append(k)
-            pages = [self.index.page_of(k) for k in out]
-            writes = self._note_use(out)
-            self._n["host_hits"] += len(out)
-            self._n["host_misses"] += len(keys) - len(out)
-        self._submit(writes)
-        sources: list[Tier] = ["host"] * len(out)
-        rest = keys[len(out) :]
-        if rest and self.storage.enabled:
-            try:
                 got = self._load_from_storage(rest)
-            except BaseException:
-                self.release(out)  # the caller gets no result to release
-                raise
-            out += [k for k, _ in got]
-            pages += [p for _, p in got]
-            sources += ["storage"] * len(got)
-        return LoadResult(out, [p for p in pages if p is not None], sources)
+                if not got:
+                    break
+                out += [k for k, _ in got]
+                pages += [p for _, p in got]
+                sources += ["storage"] * len(got)
+        except BaseException:
+            self.release(out)  # the caller gets no result to release
+            raise
+        from_host = sources.count("host")
+        with self._lock:
+            self._n["host_hits"] += from_host
+            self._n["host_misses"] += len(keys) - from_host
+            if self.storage.enabled:
+                self._n["storage_hits"] += len(out) - from_host
+                self._n["storage_misses"] += len(keys) - len(out)
+        return LoadResult(out, pages, sources)
 
     def release(self, keys: Sequence[bytes]) -> None:
-        """Drop the references load() took. Raises KeyError/ValueError for keys not held."""
+        """Drop the references load() took, head last (so it stays most recently used).
+        Raises KeyError/ValueError, with nothing released, for a key not held."""
+        keys = list(keys)
         with self._lock:
-            for k in keys:
+            for k, n in Counter(keys).items():
+                if self.index.refs(k) < n:  # KeyError if absent
+                    raise ValueError(f"key {k.hex()} is not referenced {n} time(s)")
+            for k in reversed(keys):
                 self.index.unref(k)
 
     def pin(self, keys: Sequence[bytes]) -> None:
@@ -259,7 +277,12 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
                 self.index.pin(k)
 
     def unpin(self, keys: Sequence[bytes]) -> None:
+        """Undo pin(). Raises KeyError/ValueError, with nothing unpinned, for a key not pinned."""
+        keys = list(keys)
         with self._lock:
+            for k, n in Counter(keys).items():
+                if self.index.pins(k) < n:  # KeyError if absent
+                    raise ValueError(f"key {k.hex()} is not pinned {n} time(s)")
             for k in keys:
                 self.index.unpin(k)
 
@@ -273,15 +296,18 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         return len(evicted)
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Drop resident keys without storing them (invalidation); returns how many went."""
+        """Drop resident keys without storing them (invalidation); returns how many went.
+        Keys waiting for their storage write stay. Raises ValueError, with nothing removed,
+        if one is pinned or referenced."""
         with self._lock:
-            n = 0
-            for k in keys:
-                if k in self.index and k not in self._queued:
-                    self.index.remove(k)
-                    self._forget(k)
-                    n += 1
-            return n
+            going = list(dict.fromkeys(k for k in keys if k in self.index and k not in self._queued))
+            for k in going:
+                if self.index.pins(k) or self.index.refs(k):
+                    raise ValueError(f"key {k.hex()} is pinned or in use")
+            for k in going:
+                self.index.remove(k)
+                self._forget(k)
+            return len(going)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued storage writes; False if `timeout` seconds pass first."""

@@ -135,7 +135,7 @@ class HiCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefetch(self, request, context):
-        """Storage tier -> host. Until a storage tier exists, keys not in host memory are MISSING.
+        """Storage tier -> host, for the keys after the host-resident prefix that form a prefix in storage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -18,7 +18,7 @@ from hicache.transfer import native
 from hicache.transfer.cpu import INLINE_BYTES, CpuCopier, copy_views, full_views
 from hicache.transfer.cuda import CudaCopier, layer_plan
 from hicache.transfer.handles import CpuTransferHandle, CudaTransferHandle, TransferHandle
-from hicache.transfer.plan import PageList, TransferPlan, make_plan
+from hicache.transfer.plan import PageList, TransferPlan, as_pages, make_plan
 from hicache.transfer.writers import WriterRegistry
 from hicache.validate import is_int
 
@@ -121,6 +121,12 @@ class TransferEngine:
             layers,
             ("host_pages", "device_pages"),
         )
+
+    def check_device_pages(self, device_pages: PageList) -> None:
+        """Raise ValueError (as reload would) if a device page is out of range, repeated, or
+        the destination of an unfinished transfer. Changes nothing."""
+        pages = as_pages("device_pages", device_pages, self.device_pool.num_pages)
+        self._writers.check("device_pages", pages)
 
     # ---- blocking transfers ----------------------------------------------------------------
     def offload(self, device_pages: PageList, host_pages: PageList) -> int:

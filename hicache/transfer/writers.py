@@ -35,6 +35,11 @@ class WriterRegistry:
                 )
         return wanted
 
+    def check(self, pool: str, pages: np.ndarray) -> None:
+        """Raise ValueError if `pages` overlap an unfinished transfer's; registers nothing."""
+        with self._lock:
+            self._check(pool, pages)
+
     @contextmanager
     def claim(self, pool: str, pages: np.ndarray) -> Iterator[None]:
         """Hold `pages` of `pool` for the duration of the block (a blocking transfer)."""
