@@ -139,3 +139,20 @@ def test_request_cache_failed_attempt_does_not_drop_a_newer_slot():
         rc.run(("pin", "p"), "A", "d", boom)
     assert rc.run(("pin", "p"), "A", "d", lambda: "second") == "second"
     assert rc.run(("pin", "p"), "A", "d", lambda: "third") == "second"  # answered from the cache
+
+
+def test_a_stale_reservation_cannot_end_a_newer_one(cache_with_tier):
+    cache, _ = cache_with_tier(2, storage=False)
+    k = key(0)
+    first = cache.reserve([k])
+    assert first is not None
+    cache.pool.write_page(first.new[0][1], payload(G, 0))
+    cache.commit(first)
+    cache.evict(1)
+    second = cache.reserve([k])  # another offload of the same key, its copy still running
+    assert second is not None
+    with pytest.raises(ValueError, match="not reserved for an offload"):
+        cache.abort(first)  # already committed: refused, and second's page is not given back
+    cache.pool.write_page(second.new[0][1], payload(G, 0))
+    cache.commit(second)
+    assert cache.lookup([k]) == ["host"]

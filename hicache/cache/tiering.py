@@ -35,7 +35,6 @@ from hicache.storage.base import Buffer, StorageTier, TierIdentity
 from hicache.storage.null import NullTier
 
 Tier = Literal["host", "storage", "none"]
-OFFLOAD = "offload"  # owner of keys reserved by reserve()
 LOAD = "load"  # owner of keys being fetched by load()
 
 
@@ -58,6 +57,7 @@ class Reservation:
     existing: list[tuple[bytes, int]]  # already on host: nothing to copy
     pending: list[bytes]  # being filled by another offload or a prefetch: nothing to copy
     refused: list[bytes] = field(default_factory=list)  # reserve(partial=True): no room left
+    owner: object = field(default_factory=object, repr=False, compare=False)  # its mark in _pending
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         self.fetch_batch_pages = fetch_batch_pages
         self.index = HostIndex(pool.num_pages)
         self._lock = threading.RLock()
-        self._pending: dict[bytes, object] = {}  # reserved key -> OFFLOAD, LOAD or its PrefetchHandle
+        self._pending: dict[bytes, object] = {}  # reserved key -> its Reservation's owner, "load" or PrefetchHandle
         self._queued: set[bytes] = set()  # keys referenced by a queued storage write
         self._stored: set[bytes] = set()  # resident keys known to be in storage
         self._hits: dict[bytes, int] = {}  # write_through_selective: uses of resident, unstored keys
@@ -145,11 +145,12 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
                 return None
             pages, backups = self._reserve_locked(keys, new)
             new, refused = new[: len(pages)], new[len(pages) :]
+            reservation = Reservation(list(zip(new, pages, strict=True)), existing, pending, refused)
             for k in new:
-                self._pending[k] = OFFLOAD
+                self._pending[k] = reservation.owner
             writes = self._note_use([k for k, _ in existing])
         self._submit(writes + self._read_evicted(backups))
-        return Reservation(list(zip(new, pages, strict=True)), existing, pending, refused)
+        return reservation
 
     def commit(self, reservation: Reservation) -> None:
         """The data of reservation.new is in its pages: make the keys resident and apply the
@@ -175,7 +176,7 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         """End the reservation's pending state; ValueError, with nothing changed, if it was
         already committed or aborted."""
         for k, _ in reservation.new:
-            if self._pending.get(k) != OFFLOAD:
+            if self._pending.get(k) is not reservation.owner:
                 raise ValueError(f"key {k.hex()} is not reserved for an offload")
         for k, _ in reservation.new:
             del self._pending[k]
