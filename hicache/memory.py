@@ -139,13 +139,22 @@ def open_shm(name: str, nbytes: int) -> SharedBuffer:
     if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
         raise ValueError(f"invalid shared-memory name {name!r}")
     path = os.path.join(shm_dir(), name)
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):  # a folder or a symlink planted to map some other file
-        raise ValueError(f"shared memory {name!r} is not a regular file")
-    size = st.st_size
-    if size != nbytes:
-        raise ValueError(f"shared memory {name!r} holds {size} bytes, expected {nbytes}")
-    tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    try:  # O_NOFOLLOW: a symlink planted to map some other file fails here (ELOOP)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ValueError(f"shared memory {name!r} cannot be opened as a plain file: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)  # checks and maps this very file, whatever the name points to by then
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"shared memory {name!r} is not a regular file")
+        if st.st_size != nbytes:
+            raise ValueError(f"shared memory {name!r} holds {st.st_size} bytes, expected {nbytes}")
+        source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path  # Linux: the open file
+        tensor = torch.from_file(source, shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        os.close(fd)  # the mapping stays
     return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: None)
 
 
@@ -233,7 +242,7 @@ class RefCountedOpens(Generic[K, B]):
                 self._open[key] = (base, users - 1)
                 return
             del self._open[key]
-        self._close_fn(base)
+            self._close_fn(base)  # under the lock: an acquire() meanwhile must not open it twice
 
     def users(self, key: K) -> int:
         with self._lock:

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 from concurrent import futures
@@ -85,11 +86,24 @@ class HiCacheServer:
 
 def _prepare_socket(path: str) -> None:
     """Create the socket's directory (0700 when we make it) and remove a stale socket file.
-    Raises ValueError if a live server already listens on `path`."""
+
+    Raises ValueError if another user could replace the socket (the folder belongs to
+    someone else, or others may write in it without the sticky bit), if `path` exists and
+    is not a socket, or if a live server already listens on it.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    if not os.path.exists(path):
+    st = os.stat(directory)
+    if st.st_uid not in (os.getuid(), 0):
+        raise ValueError(f"socket folder {directory} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise ValueError(f"socket folder {directory} is writable by others (mode {oct(st.st_mode & 0o777)})")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(f"{path} exists and is not a socket; not replacing it")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
@@ -193,19 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     stray = unknown_variables(build_parser(), os.environ)
     if stray:
         log.warning("ignoring environment variables that name no flag: %s", ", ".join(stray))
-    try:
-        server, address = create_server(config)
-    except (ValueError, OSError) as exc:
-        print(f"hicache-server: error: {exc}", file=sys.stderr)
-        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("signal %d: shutting down", signum)
         stop.set()
 
+    # before the first call can arrive: pools made on its threads rely on this handler
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    try:
+        server, address = create_server(config)
+    except (ValueError, OSError) as exc:
+        print(f"hicache-server: error: {exc}", file=sys.stderr)
+        return 2
     metrics = f"; metrics on :{server.metrics_port}/metrics" if server.metrics_port is not None else ""
     print(f"hicache-server: serving on {' '.join(server.addresses)}{metrics}", flush=True)
     while not stop.wait(0.5):

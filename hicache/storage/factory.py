@@ -25,7 +25,8 @@ def default_file_dir() -> Path:
 
 
 def check_extra(backend: str, extra: Mapping[str, Any]) -> None:
-    """Raise ValueError for an unknown backend, an unknown key, or a missing redis url."""
+    """Raise ValueError for an unknown backend, an unknown key, a missing redis url, or a
+    bad option value (the tiers' own checks, run without making a tier)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown storage backend {backend!r}; expected one of {list(BACKENDS)}")
     unknown = sorted(set(extra) - set(BACKEND_OPTIONS[backend]))
@@ -36,6 +37,16 @@ def check_extra(backend: str, extra: Mapping[str, Any]) -> None:
         )
     if backend == "redis" and not extra.get("url"):
         raise ValueError('storage backend "redis" needs "url" in its extra config (redis://... or unix://...)')
+    if backend == "file":
+        from hicache.storage import file
+
+        file.check_options(extra.get("dir") or default_file_dir(), extra.get("max_bytes"), extra.get("fsync", True))
+    if backend == "redis":
+        from hicache.storage import redis
+
+        defaults = {"timeout_s": 1.0, "ttl_s": None, "backoff_initial_s": 0.1, "backoff_max_s": 10.0}
+        options = {**defaults, **{k: v for k, v in extra.items() if k != "url"}}
+        redis.check_options(extra["url"], **options)
 
 
 def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) -> StorageTier:
@@ -49,10 +60,8 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
     if backend == "file":
         from hicache.storage.file import FileTier
 
-        fsync = extra.get("fsync", True)
-        if not isinstance(fsync, bool):
-            raise ValueError(f'file tier "fsync" must be true or false, got {fsync!r}')
-        return FileTier(identity, extra.get("dir") or default_file_dir(), max_bytes=extra.get("max_bytes"), fsync=fsync)
+        directory = extra.get("dir") or default_file_dir()
+        return FileTier(identity, directory, max_bytes=extra.get("max_bytes"), fsync=extra.get("fsync", True))
     if backend == "redis":
         from hicache.storage.redis import RedisTier
 

@@ -14,6 +14,7 @@ One process owns one (dir, identity) folder; machines share pages through Redis 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -24,9 +25,24 @@ from hicache.storage import page_format as fmt
 from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity, TierStats
 from hicache.validate import is_int
 
+log = logging.getLogger(__name__)
+
 PAGE_SUFFIX = ".page"
 TMP_SUFFIX = ".tmp"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def check_options(directory: object, max_bytes: object, fsync: object) -> None:
+    """Raise ValueError naming the first bad FileTier option (also used to check a sidecar's
+    extra config at start-up, before any pool registers)."""
+    if not isinstance(directory, str | os.PathLike):
+        raise ValueError(f"file tier dir must be a path, got {directory!r}")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"file tier dir {os.fspath(directory)!r} exists and is not a folder")
+    if max_bytes is not None and (not is_int(max_bytes) or max_bytes < 1):
+        raise ValueError(f"max_bytes must be an int >= 1 or None, got {max_bytes!r}")
+    if not isinstance(fsync, bool):
+        raise ValueError(f'file tier "fsync" must be true or false, got {fsync!r}')
 
 
 class FileTier(StorageTier):
@@ -46,8 +62,7 @@ class FileTier(StorageTier):
         fsync: bool = True,
     ):
         super().__init__(identity)
-        if max_bytes is not None and (not is_int(max_bytes) or max_bytes < 1):
-            raise ValueError(f"max_bytes must be an int >= 1 or None, got {max_bytes!r}")
+        check_options(directory, max_bytes, fsync)
         self.root = Path(directory) / identity.qualifier
         self.max_bytes = max_bytes
         self.fsync = fsync
@@ -118,7 +133,9 @@ class FileTier(StorageTier):
                 got = f.readinto(buf)
             os.utime(path)
         except FileNotFoundError:  # evicted or deleted meanwhile
-            self._forget(key)
+            with self._lock:  # a rewrite since then renames and indexes under this lock
+                if key in self._index and not path.exists():
+                    self._total -= self._index.pop(key)
             self._count(misses=1)
             return None
         except OSError as e:
@@ -128,6 +145,10 @@ class FileTier(StorageTier):
         try:
             payload = fmt.decode_page(self.identity, key, memoryview(buf)[:got])
         except fmt.PageError as e:
+            if e.reason == "unreadable":  # this process lacks the checksum algorithm: keep it
+                self._error(str(e))
+                self._count(misses=1)
+                return None
             self.delete(key, count=False)
             self._count(misses=1, **{e.reason: 1})
             return None
@@ -152,32 +173,33 @@ class FileTier(StorageTier):
         ok = [False] * len(items)
         for i, ((key, data), header) in enumerate(zip(items, headers, strict=True)):
             final = self.path_of(key)
-            tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+            tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.{i}{TMP_SUFFIX}")
             if self._write_tmp(tmp, header, data):
                 written.append((i, tmp, final))
         dirs: set[Path] = set()
-        for i, tmp, final in written:
-            try:
-                os.replace(tmp, final)
-            except OSError as e:
-                _unlink(tmp)
-                self._failed(e, f"rename {tmp}")
-                continue
-            dirs.add(final.parent)
-            ok[i] = True
-        if self.fsync:
-            for d in dirs:
-                self._fsync_dir(d)
-        with self._lock:
-            for i, _, _ in written:
-                if ok[i]:
-                    key = items[i][0]
-                    size = fmt.stored_size(self.identity, key)
-                    self._total += size - self._index.pop(key, 0)
-                    self._index[key] = size
+        failures: list[tuple[OSError, Path]] = []
+        with self._lock:  # rename and index together, so a delete or eviction never splits them
+            for i, tmp, final in written:
+                try:
+                    os.replace(tmp, final)
+                except OSError as e:
+                    _unlink(tmp)
+                    failures.append((e, tmp))
+                    continue
+                dirs.add(final.parent)
+                ok[i] = True
+                key = items[i][0]
+                size = fmt.stored_size(self.identity, key)
+                self._total += size - self._index.pop(key, 0)
+                self._index[key] = size
             for i, _, _ in written:
                 if ok[i]:
                     self._evict_locked(keep=items[i][0])
+        for error, tmp in failures:
+            self._failed(error, f"rename {tmp}")
+        if self.fsync:
+            for d in dirs:
+                self._fsync_dir(d)
         n_ok = sum(ok)
         with self._stats_lock:
             full_now = self._counters.no_space > no_space_before
@@ -221,12 +243,6 @@ class FileTier(StorageTier):
         if count and (removed or size is not None):
             self._count(deletes=1)
         return removed or size is not None
-
-    def _forget(self, key: bytes) -> None:
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._total -= size
 
     def _evict_locked(self, keep: bytes | None) -> None:
         if self.max_bytes is None:
@@ -277,8 +293,13 @@ def write_file(path: Path, parts: list[Buffer], fsync: bool) -> None:
 
 
 def _unlink(path: str | os.PathLike[str]) -> bool:
+    """Remove a file; False if it was not there. Other errors are logged, never raised (a
+    tier never raises): the file stays on disk, uncounted, until the next start's scan."""
     try:
         os.unlink(path)
         return True
     except FileNotFoundError:
+        return False
+    except OSError as e:
+        log.warning("file tier: cannot remove %s: %s", path, e)
         return False

@@ -36,13 +36,15 @@ _FIXED = struct.Struct("<4sHBB8s8s8sQ")  # everything before the checksum: 40 by
 _CHECKSUM = struct.Struct("<Q")
 HEADER_BYTES = _FIXED.size + _CHECKSUM.size  # 48, before the key
 
-Reason = Literal["corrupt", "foreign"]
+Reason = Literal["corrupt", "foreign", "unreadable"]
 
 
 class PageError(ValueError):
     """A stored page that must not be served. `reason` is "corrupt" (bad magic, version,
-    length or checksum: torn or damaged bytes) or "foreign" (intact, but written for
-    another geometry, model, namespace or key)."""
+    length or checksum: torn or damaged bytes), "foreign" (intact, but written for another
+    geometry, model, namespace or key) or "unreadable" (checksummed with an algorithm this
+    process lacks, e.g. XXH3 without the xxhash package: a miss here, fine for others).
+    Tiers delete corrupt and foreign pages, never unreadable ones."""
 
     def __init__(self, reason: Reason, detail: str):
         super().__init__(f"{reason} page: {detail}")
@@ -125,9 +127,9 @@ def encode_page(identity: TierIdentity, key: bytes, payload: Buffer) -> bytes:
 def decode_page(identity: TierIdentity, key: bytes, blob: Buffer) -> memoryview:
     """Verify a stored page and return a view of its payload (no copy).
 
-    Raises PageError("corrupt") for wrong magic, version, lengths, or checksum (or a
-    checksum algorithm this process lacks), and PageError("foreign") for an intact page
-    of another geometry, model, namespace or key.
+    Raises PageError("corrupt") for wrong magic, version, lengths, checksum or an unknown
+    checksum algorithm, PageError("unreadable") for a known algorithm this process lacks,
+    and PageError("foreign") for an intact page of another geometry, model, namespace or key.
     """
     view = memoryview(blob).cast("B")
     if view.nbytes < HEADER_BYTES:
@@ -138,8 +140,10 @@ def decode_page(identity: TierIdentity, key: bytes, blob: Buffer) -> memoryview:
     if view.nbytes != HEADER_BYTES + key_len + size:
         raise PageError("corrupt", f"{view.nbytes} bytes, header says {HEADER_BYTES + key_len + size}")
     summer = _checksummer(algorithm)
+    if summer is None and algorithm == XXH3_64:
+        raise PageError("unreadable", "checksummed with xxh3_64, and the xxhash package is not installed")
     if summer is None:
-        raise PageError("corrupt", f"checksum algorithm {algorithm} is unknown or not installed")
+        raise PageError("corrupt", f"checksum algorithm {algorithm} is unknown")
     (expected,) = _CHECKSUM.unpack_from(view, _FIXED.size)
     stored_key = view[HEADER_BYTES : HEADER_BYTES + key_len]
     payload = view[HEADER_BYTES + key_len :]

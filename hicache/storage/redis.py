@@ -12,6 +12,7 @@ is Redis's own `maxmemory` with an LRU `maxmemory-policy`.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,23 @@ from hicache.storage import page_format as fmt
 from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity
 
 T = TypeVar("T")
+
+
+def check_options(
+    url: object, timeout_s: object, ttl_s: object, backoff_initial_s: object, backoff_max_s: object
+) -> None:
+    """Raise ValueError naming the first bad RedisTier option (also used to check a
+    sidecar's extra config at start-up, before any pool registers)."""
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {url!r}")
+    named = {"timeout_s": timeout_s, "backoff_initial_s": backoff_initial_s, "backoff_max_s": backoff_max_s}
+    if ttl_s is not None:
+        named["ttl_s"] = ttl_s
+    for name, value in named.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if backoff_max_s < backoff_initial_s:  # type: ignore[operator]
+        raise ValueError(f"backoff_max_s {backoff_max_s} is below backoff_initial_s {backoff_initial_s}")
 
 
 class RedisTier(StorageTier):
@@ -50,17 +68,12 @@ class RedisTier(StorageTier):
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {url!r}")
-        for name, value in (("timeout_s", timeout_s), ("backoff_initial_s", backoff_initial_s)):
-            if not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        if backoff_max_s < backoff_initial_s:
-            raise ValueError(f"backoff_max_s {backoff_max_s} is below backoff_initial_s {backoff_initial_s}")
-        if ttl_s is not None and (not isinstance(ttl_s, int | float) or ttl_s <= 0):
-            raise ValueError(f"ttl_s must be a number > 0 or None, got {ttl_s!r}")
+        check_options(url, timeout_s, ttl_s, backoff_initial_s, backoff_max_s)
         self.url = url
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        # the server is unreachable or too slow: back off; other errors (an error reply such
+        # as OOM under maxmemory) fail the call but say nothing about the server's health
+        self._down: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
@@ -87,6 +100,9 @@ class RedisTier(StorageTier):
         try:
             result = fn()
         except self._errors as e:
+            if not isinstance(e, self._down):
+                self._error(f"redis {self.url}: {type(e).__name__}: {e}")
+                return default, False
             with self._state_lock:
                 self._healthy = False
                 self._backoff = min(self._backoff_max, max(self._backoff_initial, self._backoff * 2))
@@ -125,7 +141,7 @@ class RedisTier(StorageTier):
             pipe = self._client.pipeline(transaction=False)
             for q in qkeys:
                 pipe.exists(q)
-            return [bool(n) for n in pipe.execute()]
+            return [not isinstance(n, Exception) and bool(n) for n in pipe.execute(raise_on_error=False)]
 
         return self._call(run, [False] * len(keys))[0]
 
@@ -145,7 +161,7 @@ class RedisTier(StorageTier):
                         pipe.get(q)
                     else:
                         pipe.getex(q, px=self.ttl_ms)
-                return list(pipe.execute())
+                return [None if isinstance(r, Exception) else r for r in pipe.execute(raise_on_error=False)]
 
             blobs, _ = self._call(run, [None] * len(chunk))
             for key, blob in zip(keys[start : start + len(chunk)], blobs, strict=True):
@@ -159,6 +175,10 @@ class RedisTier(StorageTier):
         try:
             payload = fmt.decode_page(self.identity, key, blob)
         except fmt.PageError as e:
+            if e.reason == "unreadable":  # valid for sidecars with the algorithm: leave it
+                self._error(str(e))
+                self._count(misses=1)
+                return None
             self._call(lambda: self._client.delete(self.prefix + key), 0)
             self._count(misses=1, **{e.reason: 1})
             return None
@@ -184,7 +204,11 @@ class RedisTier(StorageTier):
                 pipe = self._client.pipeline(transaction=False)
                 for key, data in chunk:
                     pipe.set(self.prefix + key, fmt.encode_page(self.identity, key, data), px=self.ttl_ms)
-                return [bool(r) for r in pipe.execute()]
+                replies = pipe.execute(raise_on_error=False)  # an error reply fails its page only
+                errors = [r for r in replies if isinstance(r, Exception)]
+                if errors:
+                    self._error(f"redis {self.url}: {len(errors)} of {len(replies)} writes failed: {errors[0]}")
+                return [not isinstance(r, Exception) and bool(r) for r in replies]
 
             results, _ = self._call(run, [False] * len(chunk))
             ok.extend(results)
