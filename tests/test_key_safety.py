@@ -6,6 +6,7 @@ pages use one canonical, layout-independent format)."""
 
 from __future__ import annotations
 
+import gc
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -150,6 +151,8 @@ def test_a_page_planted_under_another_identity_is_refused_and_deleted(tmp_path):
     assert isinstance(victim, FileTier)
     svc.close()
     planted = victim.path_of(ks[0])
+    del victim, svc  # the tier goes with its last pool (make_tier shares a live one)
+    gc.collect()
     (source,) = (p for p in (tmp_path / "tier").rglob(planted.name) if p != planted)
     planted.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(source, planted)

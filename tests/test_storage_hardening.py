@@ -162,3 +162,15 @@ def test_open_shm_refuses_a_symlink(tmp_path):
     finally:
         path.unlink()
         seg.close()
+
+
+def test_pools_of_one_identity_share_one_file_tier(tmp_path):
+    from hicache.storage import make_tier
+
+    extra = {"dir": str(tmp_path), "max_bytes": 1 << 20}
+    first = make_tier("file", extra, identity(G))
+    assert make_tier("file", extra, identity(G)) is first  # one index and one cap for the folder
+    assert make_tier("file", extra, identity(G, namespace="other")) is not first
+    assert first.set(key(3), payload(G, 3))
+    again = make_tier("file", {"dir": str(tmp_path / "."), "max_bytes": 1 << 20}, identity(G))
+    assert again is first and again.contains(key(3))

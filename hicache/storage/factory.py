@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,8 +51,17 @@ def check_extra(backend: str, extra: Mapping[str, Any]) -> None:
         redis.check_options(extra["url"], **options)
 
 
+# Live file tiers of this process: two pools of one identity (an engine that registers again
+# before its old lease ran out, or two replicas of one model) share the folder's index and cap.
+_FILE_TIERS: weakref.WeakValueDictionary[tuple[Path, TierIdentity, Any, Any], StorageTier] = (
+    weakref.WeakValueDictionary()
+)
+_FILE_TIERS_LOCK = threading.Lock()
+
+
 def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) -> StorageTier:
-    """A tier of `backend` ("file", "redis" or "none") for `identity`.
+    """A tier of `backend` ("file", "redis" or "none") for `identity`; a file tier for a
+    folder and identity that is already open in this process is shared, not opened twice.
 
     extra for file: {"dir": PATH, "max_bytes": N, "fsync": bool}; for redis: {"url": ...,
     "timeout_s": ..., "ttl_s": ..., "backoff_initial_s": ..., "backoff_max_s": ...}.
@@ -60,8 +71,14 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
     if backend == "file":
         from hicache.storage.file import FileTier
 
-        directory = extra.get("dir") or default_file_dir()
-        return FileTier(identity, directory, max_bytes=extra.get("max_bytes"), fsync=extra.get("fsync", True))
+        directory = Path(extra.get("dir") or default_file_dir()).resolve()
+        max_bytes, fsync = extra.get("max_bytes"), extra.get("fsync", True)
+        with _FILE_TIERS_LOCK:  # one FileTier (one index, one cap) per folder and identity
+            shared = (directory, identity, max_bytes, fsync)
+            tier = _FILE_TIERS.get(shared)
+            if tier is None:
+                tier = _FILE_TIERS[shared] = FileTier(identity, directory, max_bytes=max_bytes, fsync=fsync)
+            return tier
     if backend == "redis":
         from hicache.storage.redis import RedisTier
 

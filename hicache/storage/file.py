@@ -8,7 +8,8 @@ temporary file, which the next start deletes. The index (key -> size, in LRU ord
 in memory and is rebuilt by scanning the folder on start, oldest modification first; a
 read refreshes a file's modification time so the order survives restarts.
 
-One process owns one (dir, identity) folder; machines share pages through Redis instead.
+One process owns one (dir, identity) folder (make_tier hands pools of one identity the same
+FileTier); machines share pages through Redis instead.
 """
 
 from __future__ import annotations
