@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from hicache.cache.prefetch import PrefetchHandle
-from hicache.service_types import OpEvent
+from hicache.service_types import OpEvent, UnknownId
 
 
 class Operation:
@@ -69,7 +69,7 @@ class OperationTable:
     def get(self, op_id: str) -> Operation:
         op = self._ops.get(op_id)
         if op is None:
-            raise KeyError(f"unknown operation id {op_id!r}")
+            raise UnknownId(f"unknown operation id {op_id!r}")
         return op
 
     def in_flight(self) -> list[Operation]:

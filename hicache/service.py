@@ -6,7 +6,7 @@ registered pool, and serves offload / reload / prefetch / evict / lookup / pin c
 Every mutating call takes a client-chosen request_id and is idempotent on retry. A pool
 whose client stops calling for lease_timeout_s is reclaimed by reap_expired().
 
-Errors follow hicache.service_types: ValueError / KeyError / StateError, and NoSpace returns.
+Errors follow hicache.service_types: ValueError / UnknownId (a KeyError) / StateError, and NoSpace returns.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from hicache.service_types import (
     ServiceConfig,
     StateError,
     TransferResult,
+    UnknownId,
 )
 from hicache.sidecar_pool import PoolIdentity, RegisteredPool
 
@@ -184,7 +185,7 @@ class HiCacheService:
             pool = self._pools.get(pool_id)
             self._leases.pop(pool_id, None)
         if pool is None:
-            raise KeyError(f"unknown pool id {pool_id!r}")
+            raise UnknownId(f"unknown pool id {pool_id!r}")
         pool.close()
         with self._lock:
             self._pools.pop(pool_id, None)
@@ -196,7 +197,7 @@ class HiCacheService:
         with self._lock:
             pool = self._pools.get(pool_id)
             if pool is None:
-                raise KeyError(f"unknown pool id {pool_id!r}")
+                raise UnknownId(f"unknown pool id {pool_id!r}")
             if pool_id in self._leases:  # not while it is being released
                 self._leases[pool_id] = self._clock() + self.config.lease_timeout_s
             return pool

@@ -25,6 +25,11 @@ class StateError(RuntimeError):
     """The pool or service is in a state that refuses the call (closing, shut down)."""
 
 
+class UnknownId(KeyError):
+    """A pool id or operation id the sidecar does not know (NOT_FOUND over gRPC; any other
+    KeyError is an internal error)."""
+
+
 class KeyStatus(enum.Enum):
     """Per-key outcome; names match hicache.v1.KeyStatus without the KEY_STATUS_ prefix."""
 

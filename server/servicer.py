@@ -1,6 +1,6 @@
 """The HiCache gRPC servicer: converts messages and maps the service's errors to status codes.
 
-It holds no logic of its own. ValueError -> INVALID_ARGUMENT, KeyError -> NOT_FOUND,
+It holds no logic of its own. ValueError -> INVALID_ARGUMENT, UnknownId -> NOT_FOUND,
 StateError -> FAILED_PRECONDITION, a NoSpace return -> RESOURCE_EXHAUSTED, anything
 else -> INTERNAL. Authentication is the interceptor's job (server/auth.py).
 """
@@ -18,7 +18,7 @@ from hicache import wire
 from hicache.rpc import hicache_pb2 as pb
 from hicache.rpc import hicache_pb2_grpc as pb_grpc
 from hicache.service import HiCacheService
-from hicache.service_types import NoSpace, StateError
+from hicache.service_types import NoSpace, StateError, UnknownId
 
 log = logging.getLogger("hicache.server")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -32,7 +32,7 @@ def abort_for(exc: BaseException, context: grpc.ServicerContext) -> NoReturn:
     """Abort the call with the status code of `exc` (see the module docstring)."""
     if isinstance(exc, ValueError):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, KeyError):
+    if isinstance(exc, UnknownId):
         context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else "not found")
     if isinstance(exc, StateError):
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sidecar_util import filled_device, mimo_geometries
@@ -218,3 +219,22 @@ def test_optional_storage_tier_keeps_health_serving(sockdir):
         dev.close()
     finally:
         srv.stop(0)
+
+
+def test_only_unknown_ids_map_to_not_found():
+    from hicache.service_types import UnknownId
+    from server.servicer import abort_for
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def abort(self, code, details):  # type: ignore[no-untyped-def]
+            raise Aborted(code, details)
+
+    with pytest.raises(Aborted) as unknown:
+        abort_for(UnknownId("unknown pool id 'p'"), Context())  # type: ignore[arg-type]
+    assert unknown.value.args == (grpc.StatusCode.NOT_FOUND, "unknown pool id 'p'")
+    with pytest.raises(Aborted) as internal:
+        abort_for(KeyError("some internal table"), Context())  # type: ignore[arg-type]
+    assert internal.value.args[0] == grpc.StatusCode.INTERNAL  # a bug, not a missing id
