@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import weakref
@@ -46,8 +47,9 @@ def check_extra(backend: str, extra: Mapping[str, Any]) -> None:
     if backend == "redis":
         from hicache.storage import redis
 
-        defaults = {"timeout_s": 1.0, "ttl_s": None, "backoff_initial_s": 0.1, "backoff_max_s": 10.0}
-        options = {**defaults, **{k: v for k, v in extra.items() if k != "url"}}
+        params = inspect.signature(redis.RedisTier.__init__).parameters  # the tier's own defaults
+        options = {name: params[name].default for name in BACKEND_OPTIONS["redis"] if name != "url"}
+        options.update((k, v) for k, v in extra.items() if k != "url")
         redis.check_options(extra["url"], **options)
 
 
