@@ -63,11 +63,6 @@ class Layout:
     def _strides(self, index: int, buffer: BufferSpec) -> ChunkStrides:
         raise NotImplementedError
 
-    @property
-    def pages_contiguous(self) -> bool:
-        """Whether each page is one contiguous block of page_bytes."""
-        return False
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_pages={self.num_pages})"
 
@@ -100,10 +95,6 @@ class PageFirst(Layout):
             row_bytes=buffer.row_bytes,
         )
 
-    @property
-    def pages_contiguous(self) -> bool:
-        return True
-
 
 class PageFirstDirect(Layout):
     name = "page_first_direct"
@@ -117,10 +108,6 @@ class PageFirstDirect(Layout):
             token_stride=buffer.row_bytes,
             row_bytes=buffer.row_bytes,
         )
-
-    @property
-    def pages_contiguous(self) -> bool:
-        return True
 
 
 _BY_NAME: dict[str, type[Layout]] = {c.name: c for c in (LayerFirst, PageFirst, PageFirstDirect)}

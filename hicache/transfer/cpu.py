@@ -62,13 +62,6 @@ def copy_views(
     return dsts, srcs
 
 
-def copy_pages(src: FlatPool, dst: FlatPool, plan: TransferPlan) -> None:
-    """Copy plan.src_pages of `src` into plan.dst_pages of `dst`, for plan.layers, in this thread."""
-    dsts, srcs = copy_views(full_views(src), full_views(dst), plan)
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
-
-
 def split_shares(
     dsts: list[torch.Tensor], srcs: list[torch.Tensor], shares: int
 ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
