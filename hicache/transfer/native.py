@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from types import ModuleType
 
 import numpy as np
@@ -47,7 +47,7 @@ class CopyBatch:
     descs: np.ndarray
     group: int = 1
 
-    @property
+    @cached_property  # read by the engine (threads or not) and by copy_calls (streaming or not)
     def nbytes(self) -> int:
         return int((self.descs[:, ROWS] * self.descs[:, ROW_BYTES]).sum()) if len(self.descs) else 0
 
