@@ -23,6 +23,7 @@ test: $(STAMP)
 	$(PY) -m ruff check hicache tests benchmarks server
 	$(PY) -m ruff format --check hicache tests benchmarks server
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports --no-cache
 	@rc=0; TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
 

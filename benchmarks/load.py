@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from load_workload import Engine, Ops  # noqa: E402
 
-from hicache.geometry import KVGeometry  # noqa: E402
-from hicache.hf_config import model_geometries  # noqa: E402
+from hicache.geometry import KVGeometry, model_geometries  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

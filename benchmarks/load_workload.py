@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hicache.api import KeyStatus
 from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.geometry import KVGeometry
 from hicache.pools import DeviceKVPool
-from hicache.service_types import KeyStatus
 
 S = KeyStatus
 OPS = ("lookup", "offload", "reload", "prefetch", "evict")

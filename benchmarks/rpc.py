@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from hicache import DeviceKVPool, HostKVPool, TransferEngine  # noqa: E402
 from hicache.client import HiCacheClient  # noqa: E402
 from hicache.demo import load_config  # noqa: E402
-from hicache.hf_config import model_geometries  # noqa: E402
+from hicache.geometry import model_geometries  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

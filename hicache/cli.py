@@ -59,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
 
             return print_geometry(args)
         if args.command == "health":
-            from hicache.health import SERVING, check_health
+            from hicache.client.health import SERVING, check_health
 
             status = check_health(args.target, service=args.service, timeout=args.timeout)
             print(status)
             return 0 if status == SERVING else 1
-        from hicache.stats_cli import print_stats
+        from hicache.client.stats_cli import print_stats
 
         return print_stats(args.target, token=args.token, as_json=args.json, timeout=args.timeout)
     except (ValueError, OSError) as exc:

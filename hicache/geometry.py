@@ -10,6 +10,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hicache.hf_config import geometry_kwargs, model_groups
 from hicache.validate import is_int
 
 Attention = Literal["mha", "mla"]
@@ -278,9 +279,16 @@ class KVGeometry:
         See hicache.hf_config for the rules. Raises ValueError for an inconsistent config,
         a bad tp_size, or a group the model lacks.
         """
-        from hicache.hf_config import geometry_kwargs
-
         return cls(**geometry_kwargs(config, tp_size=tp_size, page_size=page_size, dtype=dtype, group=group))
+
+
+def model_geometries(config: dict[str, Any], *, tp_size: int, page_size: int, dtype: str) -> dict[str, KVGeometry]:
+    """The geometry of every KV group the model has: "full", and "swa" for hybrid models.
+    Raises ValueError as KVGeometry.from_hf_config does."""
+    return {
+        g: KVGeometry.from_hf_config(config, tp_size=tp_size, page_size=page_size, dtype=dtype, group=g)
+        for g in model_groups(config)
+    }
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:

@@ -17,12 +17,9 @@ Rules:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hicache.validate import is_int
-
-if TYPE_CHECKING:
-    from hicache.geometry import KVGeometry
 
 GROUPS = ("full", "swa")
 _FULL_TYPES = ("full_attention", "attention", "global_attention")
@@ -146,18 +143,13 @@ def _req_int(cfg: dict[str, Any], key: str) -> int:
     return value
 
 
-def model_geometries(config: dict[str, Any], *, tp_size: int, page_size: int, dtype: str) -> dict[str, KVGeometry]:
-    """The geometry of every KV group the model has: "full", and "swa" for hybrid models.
-    Raises ValueError as KVGeometry.from_hf_config does."""
-    from hicache.geometry import KVGeometry
-
+def model_groups(config: dict[str, Any]) -> list[str]:
+    """The KV groups the model has: ["full"], or ["full", "swa"] (or ["swa"]) for hybrid
+    models. Raises ValueError for a config that is not a dict or lacks num_hidden_layers."""
     if not isinstance(config, dict):
         raise ValueError(f"config must be a dict, got {type(config).__name__}")
     cfg = config.get("text_config") or config
-    groups = ["full"]
-    if cfg.get("kv_lora_rank") is None:
-        full, swa = _split_layers(cfg, _req_int(cfg, "num_hidden_layers"))
-        groups = [name for name, ids in (("full", full), ("swa", swa)) if ids] or ["full"]
-    return {
-        g: KVGeometry.from_hf_config(config, tp_size=tp_size, page_size=page_size, dtype=dtype, group=g) for g in groups
-    }
+    if cfg.get("kv_lora_rank") is not None:
+        return ["full"]
+    full, swa = _split_layers(cfg, _req_int(cfg, "num_hidden_layers"))
+    return [name for name, ids in (("full", full), ("swa", swa)) if ids] or ["full"]

@@ -1,6 +1,6 @@
-"""Generate hicache/rpc/ from proto/hicache/v1/hicache.proto with grpcio-tools.
+"""Generate hicache/rpc/generated/ from proto/hicache/v1/hicache.proto with grpcio-tools.
 
-    python scripts/gen_proto.py            # rewrite hicache/rpc/
+    python scripts/gen_proto.py            # rewrite hicache/rpc/generated/
     python scripts/gen_proto.py --out DIR  # write elsewhere (the up-to-date test compares)
 
 The generated files are committed and never edited by hand.
@@ -32,8 +32,8 @@ def generate(out: Path) -> list[Path]:
         written = []
         for name in GENERATED:
             text = (Path(tmp) / "hicache" / "v1" / name).read_text()
-            # protoc imports siblings by proto package path; the modules live in hicache.rpc
-            text = text.replace("from hicache.v1 import hicache_pb2", "from hicache.rpc import hicache_pb2")
+            # protoc imports siblings by proto package path; the modules live in hicache.rpc.generated
+            text = text.replace("from hicache.v1 import hicache_pb2", "from hicache.rpc.generated import hicache_pb2")
             (out / name).write_text(text)
             written.append(out / name)
     (out / "__init__.py").write_text(INIT)
@@ -42,7 +42,7 @@ def generate(out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "hicache" / "rpc")
+    parser.add_argument("--out", type=Path, default=ROOT / "hicache" / "rpc" / "generated")
     args = parser.parse_args(argv)
     for path in generate(args.out):
         print(path)

@@ -17,8 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hicache.rpc import hicache_pb2 as pb
-from hicache.service import HiCacheService
+from hicache.rpc.generated import hicache_pb2 as pb
+from hicache.sidecar.service import HiCacheService
 
 from .auth import TokenInterceptor
 from .config import ServerConfig, build_parser, parse_args

@@ -10,11 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hicache.cache.config import HiCacheConfig
-from hicache.geometry import KVGeometry
-from hicache.hf_config import model_geometries
+from hicache.geometry import KVGeometry, model_geometries
 from hicache.paths import default_socket_path
 from hicache.pools.layouts import LAYOUTS
-from hicache.service_types import IO_BACKENDS, ServiceConfig
+from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
 
 from .envflags import document, env_argv
 from .logs import LOG_FORMATS

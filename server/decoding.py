@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from hicache.rpc import hicache_pb2_grpc as pb_grpc
+from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
 
 
 class _Capture:

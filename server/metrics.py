@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hicache.service import HiCacheService
+from hicache.sidecar.service import HiCacheService
 
 log = logging.getLogger("hicache.metrics")
 POOL = ["pool", "group", "namespace"]

@@ -14,11 +14,11 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from hicache import wire
-from hicache.rpc import hicache_pb2 as pb
-from hicache.rpc import hicache_pb2_grpc as pb_grpc
-from hicache.service import HiCacheService
-from hicache.service_types import NoSpace, StateError, UnknownId
+from hicache.rpc import convert
+from hicache.rpc.generated import hicache_pb2 as pb
+from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
+from hicache.sidecar.errors import NoSpace, StateError, UnknownId
+from hicache.sidecar.service import HiCacheService
 
 log = logging.getLogger("hicache.server")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,9 +64,9 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             raise ValueError("RegisterPool needs geometry and device_memory")
         info = self.service.register(
             request.request_id,
-            geometry=wire.geometry_from_pb(request.geometry),
+            geometry=convert.geometry_from_pb(request.geometry),
             device_pages=request.device_pages,
-            device_memory=wire.memory_from_pb(request.device_memory),
+            device_memory=convert.memory_from_pb(request.device_memory),
             group=request.group or "full",
             namespace=request.namespace,
             model_id=request.model_id,
@@ -103,7 +103,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     @_mapped
     def Offload(self, request: pb.OffloadRequest, context: grpc.ServicerContext) -> pb.OffloadResponse:
         r = self.service.offload(request.request_id, request.pool_id, list(request.keys), list(request.device_pages))
-        return pb.OffloadResponse(statuses=wire.statuses_to_pb(r.statuses), bytes_copied=r.bytes_copied)
+        return pb.OffloadResponse(statuses=convert.statuses_to_pb(r.statuses), bytes_copied=r.bytes_copied)
 
     @_mapped
     def Reload(self, request: pb.ReloadRequest, context: grpc.ServicerContext) -> pb.ReloadResponse:
@@ -115,40 +115,40 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             layerwise=request.layerwise,
         )
         return pb.ReloadResponse(
-            statuses=wire.statuses_to_pb(r.statuses), op_id=r.op_id, done=r.done, bytes_copied=r.bytes_copied
+            statuses=convert.statuses_to_pb(r.statuses), op_id=r.op_id, done=r.done, bytes_copied=r.bytes_copied
         )
 
     @_mapped
     def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
         r = self.service.prefetch(request.request_id, request.pool_id, list(request.keys), request.policy)
         return pb.PrefetchResponse(
-            statuses=wire.statuses_to_pb(r.statuses), op_id=r.op_id, done=r.done, timed_out=r.timed_out
+            statuses=convert.statuses_to_pb(r.statuses), op_id=r.op_id, done=r.done, timed_out=r.timed_out
         )
 
     @_mapped
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         r = self.service.evict(request.request_id, request.pool_id, list(request.keys), request.num_pages)
-        return pb.EvictResponse(statuses=wire.statuses_to_pb(r.statuses), pages_freed=r.pages_freed)
+        return pb.EvictResponse(statuses=convert.statuses_to_pb(r.statuses), pages_freed=r.pages_freed)
 
     @_mapped
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
-        return wire.lookup_to_pb(self.service.lookup(request.pool_id, list(request.keys)))
+        return convert.lookup_to_pb(self.service.lookup(request.pool_id, list(request.keys)))
 
     @_mapped
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
         statuses = self.service.pin(request.request_id, request.pool_id, list(request.keys))
-        return pb.PinResponse(statuses=wire.statuses_to_pb(statuses))
+        return pb.PinResponse(statuses=convert.statuses_to_pb(statuses))
 
     @_mapped
     def Unpin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
         statuses = self.service.unpin(request.request_id, request.pool_id, list(request.keys))
-        return pb.PinResponse(statuses=wire.statuses_to_pb(statuses))
+        return pb.PinResponse(statuses=convert.statuses_to_pb(statuses))
 
     @_mapped
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
         pools = self.service.stats(request.pool_id)
         return pb.GetStatsResponse(
-            pools=[wire.stats_to_pb(s) for s in pools], ops_in_flight=sum(s.ops_in_flight for s in pools)
+            pools=[convert.stats_to_pb(s) for s in pools], ops_in_flight=sum(s.ops_in_flight for s in pools)
         )
 
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
@@ -157,4 +157,4 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         except Exception as exc:
             abort_for(exc, context)
         for event in events:
-            yield wire.event_to_pb(request.op_id, event)
+            yield convert.event_to_pb(request.op_id, event)

@@ -8,13 +8,12 @@ from pathlib import Path
 import torch
 from conftest import load_config
 
-from hicache.geometry import KVGeometry
-from hicache.hf_config import model_geometries
+from hicache.geometry import KVGeometry, model_geometries
 from hicache.keys import page_keys
 from hicache.memory import shm_dir
 from hicache.pools import DeviceKVPool
-from hicache.service import HiCacheService
-from hicache.service_types import ServiceConfig
+from hicache.sidecar.config import ServiceConfig
+from hicache.sidecar.service import HiCacheService
 
 PAGE_SIZE = 16  # small pages keep the tests fast; the geometry is MiMo-V2-Flash's otherwise
 CONFIG_PATH = Path(__file__).parent / "fixtures" / "model_configs" / "mimo_v2_flash.json"

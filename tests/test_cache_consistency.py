@@ -8,7 +8,7 @@ from tier_helpers import GEOMETRIES, MemoryTier, identity, key, payload
 
 from hicache.cache.tiering import HierarchicalCache
 from hicache.pools import HostKVPool
-from hicache.request_cache import RequestCache
+from hicache.sidecar.request_cache import RequestCache
 
 G = GEOMETRIES["mimo_kv"]
 

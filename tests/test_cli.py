@@ -11,7 +11,7 @@ from sidecar_util import filled_device, mimo_geometries
 
 from hicache.cli import main
 from hicache.client import HiCacheClient
-from hicache.service_types import ServiceConfig
+from hicache.sidecar.config import ServiceConfig
 from hicache.transfer import native
 from server import ServerConfig, create_server
 

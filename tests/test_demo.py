@@ -20,7 +20,7 @@ from hicache.demo.engine import DemoEngine
 from hicache.demo.model import ToyModel
 from hicache.demo.report import Tally
 from hicache.pools import DeviceKVPool
-from hicache.service_types import ServiceConfig
+from hicache.sidecar.config import ServiceConfig
 from server import HiCacheServer, ServerConfig, create_server
 
 SMALL = ["--layers", "6", "--conversations", "3", "--turns", "3", "--system-tokens", "32", "--turn-tokens", "20,40"]

@@ -25,9 +25,10 @@ import torch
 from sidecar_util import all_zero, filled_device, keys_for, mimo_geometries, shm_exists, zero_pages
 from test_sidecar_processes import start_sidecar
 
+from hicache.api import KeyStatus, Tier
 from hicache.client import HiCacheClient, HiCacheRpcError
-from hicache.service import HiCacheService
-from hicache.service_types import KeyStatus, ServiceConfig, Tier
+from hicache.sidecar.config import ServiceConfig
+from hicache.sidecar.service import HiCacheService
 from server import ServerConfig, create_server
 
 ROOT = Path(__file__).resolve().parent.parent

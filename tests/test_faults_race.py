@@ -8,8 +8,8 @@ import threading
 import torch
 from sidecar_util import filled_device, keys_for, make_service
 
+from hicache.api import KeyStatus, PoolInfo
 from hicache.cache.config import HiCacheConfig
-from hicache.service_types import KeyStatus, PoolInfo
 
 S = KeyStatus
 ITERATIONS = 150

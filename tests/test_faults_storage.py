@@ -19,8 +19,8 @@ from test_service_tiers import keys, register, service
 from tier_helpers import GEOMETRIES, RedisServer, identity
 
 import hicache.storage.file as file_tier
-from hicache.service import HiCacheService
-from hicache.service_types import KeyStatus, Tier
+from hicache.api import KeyStatus, Tier
+from hicache.sidecar.service import HiCacheService
 from hicache.storage import page_format as fmt
 
 S = KeyStatus

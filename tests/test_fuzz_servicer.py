@@ -21,12 +21,12 @@ from sidecar_util import filled_device
 from test_service_tiers import keys
 from tier_helpers import GEOMETRIES
 
-from hicache import wire
 from hicache.cache.config import HiCacheConfig
 from hicache.pools import DeviceKVPool
-from hicache.rpc import hicache_pb2 as pb
-from hicache.rpc import hicache_pb2_grpc as pb_grpc
-from hicache.service_types import ServiceConfig
+from hicache.rpc import convert
+from hicache.rpc.generated import hicache_pb2 as pb
+from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
+from hicache.sidecar.config import ServiceConfig
 from server import HiCacheServer, ServerConfig, create_server
 
 Code = grpc.StatusCode
@@ -79,9 +79,9 @@ def sidecar() -> Iterator[Sidecar]:
 def register_request(dev: DeviceKVPool, request_id: str, **fields: Any) -> pb.RegisterPoolRequest:
     return pb.RegisterPoolRequest(
         request_id=request_id,
-        geometry=wire.geometry_to_pb(dev.geometry),
+        geometry=convert.geometry_to_pb(dev.geometry),
         device_pages=dev.num_pages,
-        device_memory=wire.memory_to_pb(dev.handle),
+        device_memory=convert.memory_to_pb(dev.handle),
         model_id="fuzz/model@1",
         **fields,
     )
@@ -158,7 +158,7 @@ geometry_fields = st.fixed_dictionaries(
 def test_random_registrations_are_refused_or_registered_never_internal(sidecar, data):
     sc = sidecar
     geometry = data.draw(
-        st.one_of(st.just(wire.geometry_to_pb(sc.dev.geometry)), geometry_fields.map(lambda d: pb.Geometry(**d)))
+        st.one_of(st.just(convert.geometry_to_pb(sc.dev.geometry)), geometry_fields.map(lambda d: pb.Geometry(**d)))
     )
     names = st.sampled_from([sc.dev.handle.name, "", ".", "..", "../../etc/passwd", "hicache-nope", "link"])
     memory = pb.MemoryHandle(

@@ -18,11 +18,12 @@ from sidecar_util import filled_device, zero_pages
 from test_service_tiers import keys
 from tier_helpers import GEOMETRIES, RedisServer
 
+from hicache.api import KeyStatus, PoolInfo, Tier
 from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry
 from hicache.pools import DeviceKVPool
-from hicache.service import HiCacheService
-from hicache.service_types import KeyStatus, PoolInfo, ServiceConfig, Tier
+from hicache.sidecar.config import ServiceConfig
+from hicache.sidecar.service import HiCacheService
 from hicache.storage.file import FileTier
 
 S = KeyStatus

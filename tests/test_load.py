@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from hicache.cache.config import HiCacheConfig
-from hicache.service_types import ServiceConfig
+from hicache.sidecar.config import ServiceConfig
 from server import ServerConfig, create_server
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "load.py"

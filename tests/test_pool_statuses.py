@@ -5,11 +5,12 @@ import pytest
 from sidecar_util import filled_device
 from tier_helpers import GEOMETRIES, MemoryTier, identity, key, payload
 
+from hicache.api import KeyStatus as S
+from hicache.api import Tier
 from hicache.cache.tiering import HierarchicalCache
 from hicache.pools import HostKVPool
-from hicache.service_types import KeyStatus as S
-from hicache.service_types import Tier
-from hicache.sidecar_pool import PoolIdentity, RegisteredPool
+from hicache.sidecar.pool import RegisteredPool
+from hicache.sidecar.registration import PoolIdentity
 
 G = GEOMETRIES["mimo_kv"]
 

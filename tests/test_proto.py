@@ -1,4 +1,4 @@
-"""The committed hicache/rpc/ is exactly what scripts/gen_proto.py generates from proto/."""
+"""The committed hicache/rpc/generated/ is exactly what scripts/gen_proto.py generates from proto/."""
 
 from __future__ import annotations
 
@@ -16,30 +16,30 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
     sys.modules["gen_proto"] = gen
     spec.loader.exec_module(gen)
     written = gen.generate(tmp_path)
-    committed = ROOT / "hicache" / "rpc"
+    committed = ROOT / "hicache" / "rpc" / "generated"
     assert sorted(p.name for p in written) == sorted(p.name for p in committed.glob("*.py*"))
     for path in written:
         assert path.read_text() == (committed / path.name).read_text(), (
-            f"hicache/rpc/{path.name} is stale: run python scripts/gen_proto.py"
+            f"hicache/rpc/generated/{path.name} is stale: run python scripts/gen_proto.py"
         )
 
 
 def test_every_geometry_field_is_on_the_wire() -> None:
     from hicache.geometry import KVGeometry
-    from hicache.rpc import hicache_pb2 as pb
+    from hicache.rpc.generated import hicache_pb2 as pb
 
     fields = set(pb.Geometry.DESCRIPTOR.fields_by_name)
     assert set(KVGeometry(layer_num=1, head_num=1, head_dim=8, v_head_dim=8).to_dict()) == fields
 
 
 def test_geometry_and_memory_round_trip_through_messages() -> None:
-    from hicache import wire
     from hicache.geometry import KVGeometry
     from hicache.memory import MemoryHandle
+    from hicache.rpc import convert
 
     mla = KVGeometry(attention="mla", layer_num=3, head_num=1, kv_lora_rank=512, qk_rope_head_dim=64, dtype="fp8")
     mha = KVGeometry(layer_num=2, head_num=4, head_dim=192, v_head_dim=128, page_size=16, layer_ids=(0, 5))
     for g in (mla, mha):
-        assert wire.geometry_from_pb(wire.geometry_to_pb(g)) == g
+        assert convert.geometry_from_pb(convert.geometry_to_pb(g)) == g
     h = MemoryHandle("cuda_ipc", 4096, ipc_handle=b"\x01" * 64, offset=512)
-    assert wire.memory_from_pb(wire.memory_to_pb(h, cuda_device=1)) == h
+    assert convert.memory_from_pb(convert.memory_to_pb(h, cuda_device=1)) == h

@@ -22,7 +22,7 @@ from sidecar_util import filled_device, mimo_geometries, shm_exists
 
 from hicache.client import ClientTls, HiCacheClient, HiCacheRpcError
 from hicache.memory import create_shm
-from hicache.service_types import ServiceConfig
+from hicache.sidecar.config import ServiceConfig
 from server import ServerConfig, create_server, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,12 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sidecar_util import CONFIG_PATH, filled_device, keys_for, mimo_full, mimo_geometries, shm_exists
 
-from hicache import wire
+from hicache.api import KeyStatus, Tier
 from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.geometry import KVGeometry
-from hicache.rpc import hicache_pb2 as pb
-from hicache.rpc import hicache_pb2_grpc as pb_grpc
-from hicache.service_types import KeyStatus, ServiceConfig, Tier
+from hicache.rpc import convert
+from hicache.rpc.generated import hicache_pb2 as pb
+from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
+from hicache.sidecar.config import ServiceConfig
 from server import HiCacheServer, ServerConfig, create_server, parse_args
 
 Code = grpc.StatusCode
@@ -178,9 +179,9 @@ def test_retry_with_same_request_id_is_idempotent(served):
     stub = pb_grpc.HiCacheStub(grpc.insecure_channel(address))
     reg = pb.RegisterPoolRequest(
         request_id="reg",
-        geometry=wire.geometry_to_pb(dev.geometry),
+        geometry=convert.geometry_to_pb(dev.geometry),
         device_pages=8,
-        device_memory=wire.memory_to_pb(dev.handle),
+        device_memory=convert.memory_to_pb(dev.handle),
     )
     first, again = stub.RegisterPool(reg), stub.RegisterPool(reg)
     assert first == again and len(srv.service.pool_ids) == 1
@@ -203,9 +204,9 @@ def test_silent_client_lease_expires_and_host_memory_is_released(sockdir):
     reg = stub.RegisterPool(
         pb.RegisterPoolRequest(
             request_id="r",
-            geometry=wire.geometry_to_pb(dev.geometry),
+            geometry=convert.geometry_to_pb(dev.geometry),
             device_pages=4,
-            device_memory=wire.memory_to_pb(dev.handle),
+            device_memory=convert.memory_to_pb(dev.handle),
         )
     )
     assert shm_exists(reg.host_shm_name)

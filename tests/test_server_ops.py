@@ -20,8 +20,8 @@ from sidecar_util import filled_device, mimo_geometries
 
 from hicache.cache.config import HiCacheConfig
 from hicache.client import HiCacheClient
-from hicache.health import check_health
-from hicache.service_types import ServiceConfig
+from hicache.client.health import check_health
+from hicache.sidecar.config import ServiceConfig
 from hicache.transfer import native
 from server import ServerConfig, create_server, parse_args
 from server.config import build_parser
@@ -222,7 +222,7 @@ def test_optional_storage_tier_keeps_health_serving(sockdir):
 
 
 def test_only_unknown_ids_map_to_not_found():
-    from hicache.service_types import UnknownId
+    from hicache.sidecar.errors import UnknownId
     from server.servicer import abort_for
 
     class Aborted(Exception):

@@ -8,11 +8,13 @@ import pytest
 import torch
 from sidecar_util import filled_device, keys_for, make_service, mimo_full, pages_of, shm_exists
 
+from hicache.api import KeyStatus, PoolInfo, Tier
 from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry
 from hicache.memory import MemoryHandle, RefCountedOpens
-from hicache.service import HiCacheService
-from hicache.service_types import KeyStatus, NoSpace, PoolInfo, ServiceConfig, StateError, Tier
+from hicache.sidecar.config import ServiceConfig
+from hicache.sidecar.errors import NoSpace, StateError
+from hicache.sidecar.service import HiCacheService
 
 S = KeyStatus
 

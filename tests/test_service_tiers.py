@@ -12,10 +12,11 @@ import torch
 from sidecar_util import PAGE_SIZE, filled_device
 from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, RedisServer
 
+from hicache.api import KeyStatus, PoolInfo, Tier
 from hicache.cache.config import HiCacheConfig
 from hicache.keys import page_keys
-from hicache.service import HiCacheService
-from hicache.service_types import KeyStatus, PoolInfo, ServiceConfig, Tier
+from hicache.sidecar.config import ServiceConfig
+from hicache.sidecar.service import HiCacheService
 
 S = KeyStatus
 MODEL = "test-model@rev1"

@@ -19,10 +19,10 @@ import pytest
 import torch
 from sidecar_util import CONFIG_PATH, PAGE_SIZE, filled_device, mimo_full, shm_exists
 
+from hicache.api import KeyStatus
 from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.geometry import KVGeometry
 from hicache.pools import DeviceKVPool
-from hicache.service_types import KeyStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 

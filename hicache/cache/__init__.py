@@ -5,7 +5,8 @@ from hicache.cache.config import HiCacheConfig, parse_extra_config
 from hicache.cache.index import HostIndex
 from hicache.cache.policies import PREFETCH_POLICIES, WRITE_POLICIES, PrefetchTimeout
 from hicache.cache.prefetch import PrefetchHandle, PrefetchResult, PrefetchStatus
-from hicache.cache.tiering import HierarchicalCache, LoadResult, Reservation
+from hicache.cache.results import LoadResult, Reservation
+from hicache.cache.tiering import HierarchicalCache
 
 __all__ = [
     "PREFETCH_POLICIES",

@@ -28,7 +28,8 @@ from hicache.cache.policies import (
     check_prefetch_policy,
     check_write_policy,
 )
-from hicache.cache.tiering import HierarchicalCache, PagePool
+from hicache.cache.results import PagePool
+from hicache.cache.tiering import HierarchicalCache
 from hicache.geometry import KVGeometry
 from hicache.storage.base import StorageTier, TierIdentity
 from hicache.storage.factory import BACKENDS, check_extra, make_tier

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from hicache.cache.fetch import FetchMixin, unique_keys
 from hicache.cache.index import HostIndex
@@ -29,44 +27,13 @@ from hicache.cache.policies import (
     check_write_policy,
 )
 from hicache.cache.prefetch import PrefetchHandle
+from hicache.cache.results import LoadResult, PagePool, Reservation, Tier
 from hicache.cache.writer import StorageWriter
 from hicache.geometry import KVGeometry
 from hicache.storage.base import Buffer, StorageTier, TierIdentity
 from hicache.storage.null import NullTier
 
-Tier = Literal["host", "storage", "none"]
 LOAD = "load"  # owner of keys being fetched by load()
-
-
-class PagePool(Protocol):
-    """What the cache needs of a host pool (HostKVPool has it)."""
-
-    geometry: KVGeometry
-
-    @property
-    def num_pages(self) -> int: ...
-    def read_page(self, page: int) -> Any: ...  # a uint8 tensor (or buffer) of page_bytes
-    def write_page(self, page: int, data: Buffer) -> None: ...
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """reserve()'s answer: copy the `new` keys' data into their host pages, then commit()."""
-
-    new: list[tuple[bytes, int]]
-    existing: list[tuple[bytes, int]]  # already on host: nothing to copy
-    pending: list[bytes]  # being filled by another offload or a prefetch: nothing to copy
-    refused: list[bytes] = field(default_factory=list)  # reserve(partial=True): no room left
-    owner: object = field(default_factory=object, repr=False, compare=False)  # its mark in _pending
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    """load()'s answer: the leading keys now on host, referenced until release(keys)."""
-
-    keys: list[bytes]
-    pages: list[int]
-    sources: list[Tier]  # "host", or "storage" for a key fetched from storage first
 
 
 class HierarchicalCache(KeyOpsMixin, FetchMixin):
@@ -258,35 +225,6 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
                 self._n["storage_misses"] += len(keys) - len(out)
         return LoadResult(out, pages, sources)
 
-    def release(self, keys: Sequence[bytes]) -> None:
-        """Drop the references load() took, head last (so it stays most recently used).
-        Raises KeyError/ValueError, with nothing released, for a key not held."""
-        keys = list(keys)
-        with self._lock:
-            for k, n in Counter(keys).items():
-                if self.index.refs(k) < n:  # KeyError if absent
-                    raise ValueError(f"key {k.hex()} is not referenced {n} time(s)")
-            for k in reversed(keys):
-                self.index.unref(k)
-
-    def pin(self, keys: Sequence[bytes]) -> None:
-        """Keep resident keys from eviction until unpin(). Raises KeyError if one is absent."""
-        with self._lock:
-            for k in keys:
-                self.index.pins(k)  # raises KeyError before anything is pinned
-            for k in keys:
-                self.index.pin(k)
-
-    def unpin(self, keys: Sequence[bytes]) -> None:
-        """Undo pin(). Raises KeyError/ValueError, with nothing unpinned, for a key not pinned."""
-        keys = list(keys)
-        with self._lock:
-            for k, n in Counter(keys).items():
-                if self.index.pins(k) < n:  # KeyError if absent
-                    raise ValueError(f"key {k.hex()} is not pinned {n} time(s)")
-            for k in keys:
-                self.index.unpin(k)
-
     def evict(self, n: int) -> int:
         """Evict up to n least recently used pages (write_back stores them first)."""
         with self._lock:
@@ -295,20 +233,6 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
             jobs = self._read_evicted(backups)  # under the lock: the freed pages are not reserved
         self._submit(jobs)
         return len(evicted)
-
-    def remove(self, keys: Sequence[bytes]) -> int:
-        """Drop resident keys without storing them (invalidation); returns how many went.
-        Keys waiting for their storage write stay. Raises ValueError, with nothing removed,
-        if one is pinned or referenced."""
-        with self._lock:
-            going = list(dict.fromkeys(k for k in keys if k in self.index and k not in self._queued))
-            for k in going:
-                if self.index.pins(k) or self.index.refs(k):
-                    raise ValueError(f"key {k.hex()} is pinned or in use")
-            for k in going:
-                self.index.remove(k)
-                self._forget(k)
-            return len(going)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued storage writes; False if `timeout` seconds pass first."""

@@ -9,7 +9,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from hicache.hf_config import model_geometries
+from hicache.geometry import model_geometries
 
 # Per-layer lists in an HF config that must be cut when the layer count is.
 _PER_LAYER_KEYS = ("hybrid_layer_pattern", "layer_types")

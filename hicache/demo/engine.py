@@ -17,13 +17,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from hicache.api import KeyStatus, Tier
 from hicache.client import HiCacheClient, ReloadHandle
 from hicache.demo.device_cache import DeviceCache
 from hicache.demo.model import Layer, ToyModel
 from hicache.demo.report import Tally
 from hicache.memory import local_buffer
 from hicache.pools import DeviceKVPool
-from hicache.service_types import KeyStatus, Tier
 
 LOADED = {KeyStatus.LOADED, KeyStatus.LOADED_FROM_STORAGE}
 

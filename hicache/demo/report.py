@@ -10,7 +10,7 @@ from typing import Any, TextIO, TypeVar
 
 import numpy as np
 
-from hicache.service_types import PoolStats
+from hicache.api import PoolStats
 
 T = TypeVar("T")
 

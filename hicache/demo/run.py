@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 import torch
 
+from hicache.api import PoolStats
 from hicache.client import HiCacheClient
 from hicache.demo.configs import load_config, model_geometries, truncate_layers
 from hicache.demo.engine import DemoEngine
@@ -27,7 +28,6 @@ from hicache.demo.sidecar import SidecarProcess
 from hicache.demo.workload import ChatWorkload
 from hicache.geometry import KVGeometry
 from hicache.pools import DeviceKVPool
-from hicache.service_types import PoolStats
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

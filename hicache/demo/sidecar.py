@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import hicache
-from hicache.health import SERVING, check_health
+from hicache.client.health import SERVING, check_health
 
 
 def server_command() -> tuple[list[str], dict[str, str]]:

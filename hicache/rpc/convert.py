@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from hicache.api import KeyStatus, LookupResult, OpEvent, PoolStats, Tier, TierStats
 from hicache.geometry import KVGeometry
 from hicache.memory import MemoryHandle
-from hicache.rpc import hicache_pb2 as pb
-from hicache.service_types import KeyStatus, LookupResult, OpEvent, PoolStats, Tier, TierStats
+from hicache.rpc.generated import hicache_pb2 as pb
 
 _EVENT_KINDS = {
     "layer_done": pb.WatchEvent.KIND_LAYER_DONE,

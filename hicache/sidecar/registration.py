@@ -12,6 +12,18 @@ from hicache.validate import is_int
 
 
 @dataclass(frozen=True)
+class PoolIdentity:
+    """Who a registered pool belongs to and how its keys are hashed."""
+
+    pool_id: str
+    group: str
+    namespace: str
+    model_id: str
+    key_hash: str
+    key_bytes: int
+
+
+@dataclass(frozen=True)
 class PoolRequest:
     """What an engine registers: one KV group's device pool and how its pages are keyed."""
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from hicache.rpc import hicache_pb2 as hicache_dot_v1_dot_hicache__pb2
+from hicache.rpc.generated import hicache_pb2 as hicache_dot_v1_dot_hicache__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

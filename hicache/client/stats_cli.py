@@ -7,8 +7,8 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from hicache.api import PoolStats
 from hicache.client import HiCacheClient, HiCacheRpcError
-from hicache.service_types import PoolStats
 
 
 def stats_to_dict(s: PoolStats) -> dict[str, Any]:

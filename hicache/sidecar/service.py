@@ -6,46 +6,40 @@ registered pool, and serves offload / reload / prefetch / evict / lookup / pin c
 Every mutating call takes a client-chosen request_id and is idempotent on retry. A pool
 whose client stops calling for lease_timeout_s is reclaimed by reap_expired().
 
-Errors follow hicache.service_types: ValueError / UnknownId (a KeyError) / StateError, and NoSpace returns.
+Errors follow hicache.sidecar.errors: ValueError / UnknownId (a KeyError) / StateError, and NoSpace returns.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import secrets
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from hicache.cache.prefetch import PrefetchHandle
-from hicache.geometry import KVGeometry
-from hicache.keys import KEY_BYTES
-from hicache.memory import CudaIpcOpens, MemoryHandle, shm_dir
-from hicache.operations import Operation, operation_events
-from hicache.pools import HostKVPool
-from hicache.registration import PoolRequest, check_geometry, map_device
-from hicache.request_cache import RequestCache, fingerprint
-from hicache.service_types import (
-    IO_BACKENDS,
+from hicache.api import (
     EvictResult,
     KeyStatus,
     LookupResult,
-    NoSpace,
     OpEvent,
     PoolInfo,
     PoolStats,
     PrefetchOutcome,
-    ServiceConfig,
-    StateError,
     TransferResult,
-    UnknownId,
 )
-from hicache.sidecar_pool import PoolIdentity, RegisteredPool
-
-HEALTH_PROBE_KEY = b"hicache-health-probe"
-log = logging.getLogger("hicache.service")
+from hicache.cache.prefetch import PrefetchHandle
+from hicache.geometry import KVGeometry
+from hicache.keys import KEY_BYTES
+from hicache.memory import CudaIpcOpens, MemoryHandle, shm_dir
+from hicache.pools import HostKVPool
+from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
+from hicache.sidecar.errors import NoSpace, StateError
+from hicache.sidecar.health import degraded_but_serving, storage_health
+from hicache.sidecar.operations import Operation, operation_events
+from hicache.sidecar.pool import RegisteredPool
+from hicache.sidecar.pool_table import PoolTable
+from hicache.sidecar.registration import PoolIdentity, PoolRequest, check_geometry, map_device
+from hicache.sidecar.request_cache import RequestCache, fingerprint
 
 
 class HiCacheService:
@@ -54,12 +48,9 @@ class HiCacheService:
     def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self._clock = clock
-        self._lock = threading.Lock()  # guards _pools, _leases and _closed
-        self._pools: dict[str, RegisteredPool] = {}
-        self._leases: dict[str, float] = {}  # pool id -> deadline on self._clock
+        self._pools = PoolTable(config.lease_timeout_s, config.max_pools, clock)
         self._requests = RequestCache(config.request_cache_size)
         self._ipc = CudaIpcOpens()
-        self._closed = False
 
     # ---- registration -----------------------------------------------------------------------
     def register(
@@ -93,22 +84,16 @@ class HiCacheService:
         geometry = req.geometry
         host_pages = self.config.host_pages_for(geometry, req.device_pages)
         host_bytes = geometry.pool_bytes(host_pages)
-        with self._lock:
-            refusal = self._refusal_locked()
-            own = {p.host.handle.name for p in self._pools.values()}
+        refusal = self._pools.refusal()
         if refusal:
             return self._refuse(refusal)
-        if req.device_memory.kind == "shm" and req.device_memory.name in own:
+        if req.device_memory.kind == "shm" and req.device_memory.name in self._pools.host_shm_names():
             raise ValueError(f"device memory {req.device_memory.name!r} is one of this sidecar's host pools")
         free = shutil.disk_usage(shm_dir()).free
         if host_bytes > free:
             return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
         pool = self._build_pool(req, host_pages)
-        with self._lock:  # checked again: another registration or close() may have come first
-            refusal = self._refusal_locked()
-            if not refusal:
-                self._pools[pool.identity.pool_id] = pool
-                self._leases[pool.identity.pool_id] = self._clock() + self.config.lease_timeout_s
+        refusal = self._pools.add(pool)
         if refusal:
             pool.close()
             return self._refuse(refusal)
@@ -125,17 +110,9 @@ class HiCacheService:
             self.config.lease_timeout_s,
         )
 
-    def _refusal_locked(self) -> str:
-        """Why a new pool cannot be added now ("" if it can); call with self._lock held."""
-        if self._closed:
-            return "the service is shut down"
-        if len(self._pools) >= self.config.max_pools:
-            return f"{len(self._pools)} pools registered, the limit is {self.config.max_pools}"
-        return ""
-
     def _refuse(self, why: str) -> NoSpace:
         """StateError once shut down; otherwise the pool limit, a NoSpace answer."""
-        if self._closed:
+        if self._pools.closed:
             raise StateError(why)
         return NoSpace(why)
 
@@ -181,26 +158,15 @@ class HiCacheService:
     def _release(self, pool_id: str) -> bool:
         # The pool stays listed until it is closed, so that a caller who sees it gone also
         # sees its memory released; meanwhile its calls get StateError (closing).
-        with self._lock:
-            pool = self._pools.get(pool_id)
-            self._leases.pop(pool_id, None)
-        if pool is None:
-            raise UnknownId(f"unknown pool id {pool_id!r}")
+        pool = self._pools.end_lease(pool_id)
         pool.close()
-        with self._lock:
-            self._pools.pop(pool_id, None)
+        self._pools.remove(pool_id)
         return True
 
     # ---- leases -------------------------------------------------------------------------------
     def pool(self, pool_id: str) -> RegisteredPool:
         """The pool, with its lease renewed. Raises KeyError for an unknown id."""
-        with self._lock:
-            pool = self._pools.get(pool_id)
-            if pool is None:
-                raise UnknownId(f"unknown pool id {pool_id!r}")
-            if pool_id in self._leases:  # not while it is being released
-                self._leases[pool_id] = self._clock() + self.config.lease_timeout_s
-            return pool
+        return self._pools.get(pool_id)
 
     def keep_alive(self, pool_id: str) -> float:
         """Renew the lease; returns the lease timeout in seconds."""
@@ -209,11 +175,8 @@ class HiCacheService:
 
     def reap_expired(self) -> list[str]:
         """Release every pool whose lease ran out; returns their ids."""
-        now = self._clock()
-        with self._lock:
-            expired = [pid for pid, deadline in self._leases.items() if deadline < now]
         released = []
-        for pool_id in expired:
+        for pool_id in self._pools.expired():
             try:
                 self._release(pool_id)
                 released.append(pool_id)
@@ -277,9 +240,7 @@ class HiCacheService:
         """One entry per pool, or for pool_id only. Raises KeyError for an unknown id."""
         if pool_id:
             return [self.pool(pool_id).stats()]
-        with self._lock:
-            pools = list(self._pools.values())
-        return [p.stats() for p in pools]
+        return [p.stats() for p in self._pools.pools()]
 
     def operation(self, pool_id: str, op_id: str) -> Operation | PrefetchHandle:
         """Raises KeyError for an unknown pool or operation id."""
@@ -295,53 +256,30 @@ class HiCacheService:
     # ---- lifecycle ------------------------------------------------------------------------------
     @property
     def pool_ids(self) -> list[str]:
-        with self._lock:
-            return list(self._pools)
+        return self._pools.ids()
 
     def pool_snapshots(self) -> list[RegisteredPool]:
         """Every open registered pool, renewing no lease (for metrics and health checks)."""
-        with self._lock:
-            pools = list(self._pools.values())
-        return [p for p in pools if not p.closed]
+        return [p for p in self._pools.pools() if not p.closed]
 
     def healthy(self) -> tuple[bool, str]:
         """(True, "") when every configured tier can serve; (False, why) while a registered
         pool's storage tier is down (the gRPC health service then says NOT_SERVING)."""
-        down = []
-        for pool in self.pool_snapshots():
-            storage = pool.cache.storage
-            try:
-                storage.contains(HEALTH_PROBE_KEY)  # an idle tier notices it is down only when used
-                health = storage.health()
-                ok, detail = health.healthy, health.detail
-            except Exception as exc:  # a probe that fails is a tier that is down
-                ok, detail = False, f"{type(exc).__name__}: {exc}"
-            if not ok:
-                down.append(f"pool {pool.identity.pool_id} storage tier {storage.backend!r} is down: {detail}")
-        return not down, "; ".join(down)
+        return storage_health(self.pool_snapshots())
 
     def degraded_but_serving(self) -> tuple[bool, str]:
-        """healthy() for a sidecar whose storage tier is optional: logs what is down (so the
-        operator sees it) but always answers serving, since host memory still serves."""
-        ok, why = self.healthy()
-        if not ok:
-            log.warning("storage degraded, still serving from host memory: %s", why)
-        return True, ""
+        """healthy() for a sidecar whose storage tier is optional: logs what is down but
+        always answers serving, since host memory still serves."""
+        return degraded_but_serving(self.pool_snapshots())
 
     def close(self) -> None:
         """Refuse new registrations and release every pool after its in-flight work. Idempotent."""
-        with self._lock:
-            self._closed = True
-            ids = list(self._pools)
-        for pool_id in ids:
+        for pool_id in self._pools.shut():
             try:
                 self._release(pool_id)
             except KeyError:
                 pass
 
     def check_integrity(self) -> None:
-        with self._lock:
-            pools = list(self._pools.values())
-            assert set(self._pools) == set(self._leases)
-        for pool in pools:
+        for pool in self._pools.check_integrity():
             pool.check_integrity()

@@ -1,13 +1,16 @@
-"""Asynchronous operations and their progress events (what Watch streams)."""
+"""Asynchronous operations a client can Watch (layer-wise reloads and prefetches), their
+progress events, and the per-key answer of a prefetch."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
+from hicache.api import KeyStatus, OpEvent
 from hicache.cache.prefetch import PrefetchHandle
-from hicache.service_types import OpEvent, UnknownId
+from hicache.sidecar.errors import UnknownId
+from hicache.transfer import TransferEngine
 
 
 class Operation:
@@ -53,6 +56,29 @@ class Operation:
             return self._cond.wait_for(lambda: self._finished, timeout)
 
 
+def copy_layers(
+    engine: TransferEngine, op: Operation, host_pages: list[int], dev_pages: list[int], *, per_layer: bool
+) -> int:
+    """Reload host_pages into dev_pages, publishing each finished layer to `op` (layer by
+    layer as the copy goes when per_layer, else all at the end); returns the bytes copied.
+    A failure is published as FAILED and re-raised; DONE is the caller's to publish."""
+    try:
+        if per_layer:
+            handle = engine.reload_async(host_pages, dev_pages)
+            for layer in range(op.layer_num):
+                handle.wait_layer_host(layer)  # on CUDA too: the engine reads it once announced
+                op.layer_done(layer, layer + 1)
+            handle.wait()
+            return handle.nbytes
+        nbytes = engine.reload(host_pages, dev_pages)
+        for layer in range(op.layer_num):
+            op.layer_done(layer, layer + 1)
+        return nbytes
+    except Exception as exc:
+        op.failed(f"{type(exc).__name__}: {exc}", 0)
+        raise
+
+
 class OperationTable:
     """Operations by id; keeps every unfinished one and the newest `keep_finished` finished."""
 
@@ -74,6 +100,53 @@ class OperationTable:
 
     def in_flight(self) -> list[Operation]:
         return [o for o in self._ops.values() if not o.finished]
+
+
+class PrefetchTable:
+    """Prefetch handles by op id ("pf-<id>"); keeps every unfinished one and the newest
+    `keep_finished` finished. Not locked: the pool's lock guards it."""
+
+    def __init__(self, keep_finished: int):
+        self.keep_finished = keep_finished
+        self._handles: OrderedDict[str, PrefetchHandle] = OrderedDict()
+
+    def add(self, handle: PrefetchHandle) -> str:
+        op_id = f"pf-{handle.id}"
+        self._handles[op_id] = handle
+        finished = [k for k, h in self._handles.items() if h.wait(0)]
+        for k in finished[: max(0, len(finished) - self.keep_finished)]:
+            del self._handles[k]
+        return op_id
+
+    def find(self, op_id: str) -> PrefetchHandle | None:
+        return self._handles.get(op_id)
+
+
+def prefetch_statuses(
+    handle: PrefetchHandle, keys: Sequence[bytes], tiers: Sequence[str], done: bool
+) -> tuple[KeyStatus, ...]:
+    """Each key's prefetch answer, given where it is now (`tiers`, as cache.lookup says) and
+    whether `handle` has finished: FETCHING (by this or an earlier prefetch still running),
+    FETCHED, RESIDENT, NO_SPACE (pinned or referenced pages fill the host pool), NOT_FOUND
+    (in storage but not brought in: after a gap, failed or cancelled) or MISSING (no tier)."""
+    mine = set(handle.fetch)
+    theirs = {k for h in handle.depends if not h.wait(0) for k in h.fetch}
+    no_room = set(handle.no_room)
+
+    def status(k: bytes, tier: str) -> KeyStatus:
+        if k in mine and not done:
+            return KeyStatus.FETCHING
+        if k in mine:
+            return KeyStatus.FETCHED if tier == "host" else KeyStatus.NOT_FOUND
+        if tier == "host":
+            return KeyStatus.RESIDENT
+        if k in theirs:
+            return KeyStatus.FETCHING
+        if k in no_room:
+            return KeyStatus.NO_SPACE
+        return KeyStatus.NOT_FOUND if tier == "storage" else KeyStatus.MISSING
+
+    return tuple(status(k, t) for k, t in zip(keys, tiers, strict=True))
 
 
 def operation_events(op: Operation | PrefetchHandle, cancelled: Callable[[], bool], poll_s: float) -> Iterator[OpEvent]:

@@ -8,8 +8,8 @@ from typing import Any
 
 import grpc
 
-from hicache import wire
-from hicache.service_types import OpEvent, TransferResult
+from hicache.api import OpEvent, TransferResult
+from hicache.rpc import convert
 from hicache.validate import is_int
 
 
@@ -46,7 +46,7 @@ class ReloadHandle:
     def _follow(self, watch: Callable[[], Any]) -> None:
         try:
             for msg in watch():
-                self._on_event(wire.event_from_pb(msg))
+                self._on_event(convert.event_from_pb(msg))
         except grpc.RpcError as exc:
             self._on_event(OpEvent("failed", error=f"{exc.code().name}: {exc.details()}"))
         with self._cond:

@@ -8,41 +8,21 @@ import contextlib
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
-from hicache.batch_checks import check_keys, check_pages
+from hicache.api import EvictResult, KeyStatus, LookupResult, PoolStats, PrefetchOutcome, Tier, TransferResult
 from hicache.cache.index import HostIndex
 from hicache.cache.prefetch import PrefetchHandle
 from hicache.cache.tiering import HierarchicalCache
-from hicache.operations import Operation, OperationTable
 from hicache.pools import DeviceKVPool, HostKVPool
-from hicache.service_types import (
-    Counters,
-    EvictResult,
-    KeyStatus,
-    LookupResult,
-    PoolStats,
-    PrefetchOutcome,
-    StateError,
-    Tier,
-    TierStats,
-    TransferResult,
-)
+from hicache.sidecar.checks import check_keys, check_pages
+from hicache.sidecar.errors import StateError
+from hicache.sidecar.operations import Operation, OperationTable, PrefetchTable, copy_layers, prefetch_statuses
+from hicache.sidecar.pool_stats import Counters, pool_stats
+from hicache.sidecar.registration import PoolIdentity
 from hicache.transfer import TransferEngine
 from hicache.transfer.engine import Backend
 from hicache.validate import is_int
-
-
-@dataclass(frozen=True)
-class PoolIdentity:
-    pool_id: str
-    group: str
-    namespace: str
-    model_id: str
-    key_hash: str
-    key_bytes: int
 
 
 class RegisteredPool:
@@ -78,8 +58,7 @@ class RegisteredPool:
         self._idle = threading.Condition(self.lock)
         self._released = threading.Event()  # set once close() has released everything
         self._ops = OperationTable(finished_ops_kept)
-        self._prefetches: OrderedDict[str, PrefetchHandle] = OrderedDict()
-        self._finished_kept = finished_ops_kept
+        self._prefetches = PrefetchTable(finished_ops_kept)
         self._clock = clock
 
     @property
@@ -205,22 +184,8 @@ class RegisteredPool:
     ) -> None:
         """Copy (one layer at a time when per_layer, publishing each), count, publish DONE or
         FAILED."""
-        t0, layer_num = time.perf_counter(), self.geometry.layer_num
-        try:
-            if per_layer:
-                handle = self.engine.reload_async(host_pages, dev_pages)
-                for layer in range(layer_num):
-                    handle.wait_layer_host(layer)  # on CUDA too: the engine reads it once announced
-                    op.layer_done(layer, layer + 1)
-                handle.wait()
-                nbytes = handle.nbytes
-            else:
-                nbytes = self.engine.reload(host_pages, dev_pages)
-                for layer in range(layer_num):
-                    op.layer_done(layer, layer + 1)
-        except Exception as exc:
-            op.failed(f"{type(exc).__name__}: {exc}", 0)
-            raise
+        t0 = time.perf_counter()
+        nbytes = copy_layers(self.engine, op, host_pages, dev_pages, per_layer=per_layer)
         with self.lock:
             self.counters.reload_bytes += nbytes
             self.counters.reload_s += time.perf_counter() - t0 if host_pages else 0.0
@@ -241,35 +206,13 @@ class RegisteredPool:
 
     def _prefetch(self, ks: list[bytes], policy: str | None) -> PrefetchOutcome:
         handle = self.cache.prefetch(ks, policy)
-        op_id = f"pf-{handle.id}"
         with self.lock:
-            self._prefetches[op_id] = handle
-            finished = [k for k, h in self._prefetches.items() if h.wait(0)]
-            for k in finished[: max(0, len(finished) - self._finished_kept)]:
-                del self._prefetches[k]  # unfinished ones stay watchable
+            op_id = self._prefetches.add(handle)
         timed_out = False
         if handle.policy != "best_effort":
             timed_out = handle.result().timed_out
         done = handle.wait(0)
-        tiers = self.cache.lookup(ks)
-        mine = set(handle.fetch)
-        theirs = {k for h in handle.depends if not h.wait(0) for k in h.fetch}  # earlier prefetches
-        no_room = set(handle.no_room)
-
-        def status(k: bytes, tier: str) -> KeyStatus:
-            if k in mine and not done:
-                return KeyStatus.FETCHING
-            if k in mine:
-                return KeyStatus.FETCHED if tier == "host" else KeyStatus.NOT_FOUND  # failed or cancelled
-            if tier == "host":
-                return KeyStatus.RESIDENT
-            if k in theirs:
-                return KeyStatus.FETCHING
-            if k in no_room:
-                return KeyStatus.NO_SPACE
-            return KeyStatus.NOT_FOUND if tier == "storage" else KeyStatus.MISSING
-
-        statuses = tuple(status(k, t) for k, t in zip(ks, tiers, strict=True))
+        statuses = prefetch_statuses(handle, ks, self.cache.lookup(ks), done)
         return PrefetchOutcome(statuses, op_id, done, timed_out)
 
     def evict(self, keys: Sequence[bytes], num_pages: int) -> EvictResult:
@@ -310,40 +253,21 @@ class RegisteredPool:
     def operation(self, op_id: str) -> Operation | PrefetchHandle:
         """Raises KeyError for an unknown id."""
         with self.lock:
-            handle = self._prefetches.get(op_id)
+            handle = self._prefetches.find(op_id)
             return handle if handle is not None else self._ops.get(op_id)
 
     def stats(self) -> PoolStats:
         cs = self.cache.stats()
-        g, ident = self.geometry, self.identity
-        st = cs["storage"]
-        tiers = (
-            TierStats(Tier.HOST, cs["host_used_pages"], cs["host_bytes"], cs["host_hits"], cs["host_misses"]),
-            TierStats(Tier.STORAGE, st["pages"] or 0, st["bytes"] or 0, cs["storage_hits"], cs["storage_misses"]),
-        )
         with self.lock:
-            c = self.counters
             in_flight = len(self._ops.in_flight()) + cs["prefetches_active"]
-            return PoolStats(
-                ident.pool_id,
-                ident.group,
-                ident.namespace,
-                ident.model_id,
-                self.device.num_pages,
-                self.host.num_pages,
-                cs["host_used_pages"],
-                self.cache.pinned_pages(),
-                g.page_bytes,
-                tiers,
-                c.offload_bytes,
-                c.gbps(c.offload_bytes, c.offload_s),
-                c.reload_bytes,
-                c.gbps(c.reload_bytes, c.reload_s),
-                in_flight,
-                self.cache.storage.backend,
-                bool(cs["storage_healthy"]),
-                cs["write_queue_depth"],
-                self.engine.backend,
+            return pool_stats(
+                self.identity,
+                self.cache,
+                cs,
+                self.counters,
+                device_pages=self.device.num_pages,
+                in_flight=in_flight,
+                copy_backend=self.engine.backend,
             )
 
     # ---- lifecycle ----------------------------------------------------------------------------

@@ -20,32 +20,21 @@ Failed calls raise HiCacheRpcError with the gRPC status code and the sidecar's m
 
 from __future__ import annotations
 
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 import numpy as np
 
-from hicache import wire
-from hicache.client_handles import HiCacheRpcError, ReloadHandle
-from hicache.client_tls import ClientTls
+from hicache.api import EvictResult, KeyStatus, LookupResult, OpEvent, PoolStats, PrefetchOutcome, TransferResult
+from hicache.client.connection import Connection
+from hicache.client.handles import HiCacheRpcError, ReloadHandle
+from hicache.client.tls import ClientTls
 from hicache.keys import HashName, page_keys
 from hicache.pools import DeviceKVPool
-from hicache.rpc import hicache_pb2 as pb
-from hicache.rpc import hicache_pb2_grpc as pb_grpc
-from hicache.service_types import (
-    EvictResult,
-    KeyStatus,
-    LookupResult,
-    OpEvent,
-    PoolStats,
-    PrefetchOutcome,
-    TransferResult,
-)
+from hicache.rpc import convert
+from hicache.rpc.generated import hicache_pb2 as pb
 
 __all__ = ["ClientTls", "HiCacheClient", "HiCacheRpcError", "RegisteredPool", "ReloadHandle", "page_keys"]
 T = TypeVar("T")
@@ -68,10 +57,6 @@ class RegisteredPool:
     lease_timeout_s: float
 
 
-def _target(target: str) -> str:
-    return f"unix://{target}" if target.startswith("/") else target
-
-
 class HiCacheClient:
     """A connection to one sidecar. Thread-safe; close() unregisters this client's pools."""
 
@@ -86,44 +71,18 @@ class HiCacheClient:
     ):
         """`target`: "unix:///path", "/path" or "host:port"; `token`: the sidecar's --token;
         `tls`: CA (and, for mutual TLS, a client certificate) for a sidecar serving TCP over TLS."""
-        self.target = _target(target)
+        self._conn = Connection(target, token, timeout=timeout, retries=retries, tls=tls)
+        self._stub = self._conn.stub
+        self.target = self._conn.target
         self.timeout = timeout
         self.retries = retries
-        options = [
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-            # a restarted sidecar is found again within a second, not after a long backoff
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
-        if tls is None:
-            self._channel = grpc.insecure_channel(self.target, options=options)
-        else:
-            self._channel = grpc.secure_channel(self.target, tls.credentials(), options=options + tls.options())
-        self._stub = pb_grpc.HiCacheStub(self._channel)
-        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = self._conn.metadata
         self._pools: dict[str, RegisteredPool] = {}
         self._default: str | None = None
-        self._stop = threading.Event()
-        self._keepalive: threading.Thread | None = None
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _call(self, method: Callable[..., T], request: Any, *, retry: bool = True, wait: bool = False) -> T:
-        """One call with the deadline. `wait`: wait (up to the deadline) for a sidecar that is
-        not up yet, for the first contact; otherwise a sidecar that is down fails the call at
-        once with UNAVAILABLE, so an engine never stalls a forward pass on a dead cache.
-        `retry`: an UNAVAILABLE call is retried (same request id) `retries` times."""
-        attempts = 1 + (self.retries if retry else 0)
-        for attempt in range(attempts):
-            try:
-                return method(request, timeout=self.timeout, metadata=self._metadata, wait_for_ready=wait)
-            except grpc.RpcError as exc:
-                code = exc.code()
-                if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
-                    time.sleep(min(self.timeout, 0.02 * 2**attempt))
-                    continue  # same request id: the sidecar answers a retry idempotently
-                raise HiCacheRpcError(code, exc.details() or "") from None
-        raise AssertionError("unreachable")
+        return self._conn.call(method, request, retry=retry, wait=wait)
 
     def _pool(self, pool: str | None) -> RegisteredPool:
         pool_id = pool or self._default
@@ -160,9 +119,9 @@ class HiCacheClient:
         request = pb.RegisterPoolRequest(
             request_id=self._rid(),
             group=group,
-            geometry=wire.geometry_to_pb(g),
+            geometry=convert.geometry_to_pb(g),
             device_pages=device_pool.num_pages,
-            device_memory=wire.memory_to_pb(device_pool.handle, cuda_device),
+            device_memory=convert.memory_to_pb(device_pool.handle, cuda_device),
             namespace=namespace,
             model_id=model_id,
             key_hash=key_hash,
@@ -185,25 +144,8 @@ class HiCacheClient:
         )
         self._pools[info.pool_id] = info
         self._default = info.pool_id
-        self._start_keepalive(info.lease_timeout_s)
+        self._conn.keep_alive(lambda: list(self._pools), info.lease_timeout_s)
         return info
-
-    def _start_keepalive(self, lease_s: float) -> None:
-        if self._keepalive is not None:
-            return
-
-        def renew() -> None:
-            while not self._stop.wait(max(0.05, lease_s / 3)):
-                for pool_id in list(self._pools):
-                    try:
-                        self._stub.KeepAlive(
-                            pb.KeepAliveRequest(pool_id=pool_id), timeout=self.timeout, metadata=self._metadata
-                        )
-                    except grpc.RpcError:
-                        pass  # the next call reports the problem
-
-        self._keepalive = threading.Thread(target=renew, daemon=True, name="hicache-keepalive")
-        self._keepalive.start()
 
     def unregister(self, pool: str | None = None, *, retry: bool = True) -> None:
         info = self._pool(pool)
@@ -228,7 +170,7 @@ class HiCacheClient:
             request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), device_pages=_ints(device_pages)
         )
         r = self._call(self._stub.Offload, req)
-        return TransferResult(wire.statuses_from_pb(r.statuses), r.bytes_copied)
+        return TransferResult(convert.statuses_from_pb(r.statuses), r.bytes_copied)
 
     def reload(
         self, keys: Sequence[bytes], device_pages: Sequence[int], *, layerwise: bool = False, pool: str | None = None
@@ -244,7 +186,7 @@ class HiCacheClient:
             layerwise=layerwise,
         )
         r = self._call(self._stub.Reload, req)
-        result = TransferResult(wire.statuses_from_pb(r.statuses), r.bytes_copied, r.op_id, r.done)
+        result = TransferResult(convert.statuses_from_pb(r.statuses), r.bytes_copied, r.op_id, r.done)
         watch_req = pb.WatchRequest(pool_id=info.pool_id, op_id=r.op_id)
 
         def watch() -> Any:
@@ -262,7 +204,7 @@ class HiCacheClient:
             request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), policy=policy
         )
         r = self._call(self._stub.Prefetch, req)
-        return PrefetchOutcome(wire.statuses_from_pb(r.statuses), r.op_id, r.done, r.timed_out)
+        return PrefetchOutcome(convert.statuses_from_pb(r.statuses), r.op_id, r.done, r.timed_out)
 
     def watch(self, op_id: str, *, pool: str | None = None, no_deadline: bool = False) -> Iterator[OpEvent]:
         """The progress events of an operation (a layer-wise reload or a prefetch) until it ends.
@@ -272,7 +214,7 @@ class HiCacheClient:
         req = pb.WatchRequest(pool_id=self._pool(pool).pool_id, op_id=op_id)
         deadline = None if no_deadline else self.timeout
         for msg in self._stub.Watch(req, timeout=deadline, metadata=self._metadata):
-            yield wire.event_from_pb(msg)
+            yield convert.event_from_pb(msg)
 
     def evict(self, keys: Sequence[bytes] = (), num_pages: int = 0, *, pool: str | None = None) -> EvictResult:
         """Drop `keys`, or free num_pages host pages, least recently used first."""
@@ -280,35 +222,35 @@ class HiCacheClient:
             request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), num_pages=num_pages
         )
         r = self._call(self._stub.Evict, req)
-        return EvictResult(wire.statuses_from_pb(r.statuses), r.pages_freed)
+        return EvictResult(convert.statuses_from_pb(r.statuses), r.pages_freed)
 
     def lookup(self, keys: Sequence[bytes], *, pool: str | None = None) -> LookupResult:
         req = pb.LookupRequest(pool_id=self._pool(pool).pool_id, keys=list(keys))
-        return wire.lookup_from_pb(self._call(self._stub.Lookup, req))
+        return convert.lookup_from_pb(self._call(self._stub.Lookup, req))
 
     def pin(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
         req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys))
-        return wire.statuses_from_pb(self._call(self._stub.Pin, req).statuses)
+        return convert.statuses_from_pb(self._call(self._stub.Pin, req).statuses)
 
     def unpin(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
         req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys))
-        return wire.statuses_from_pb(self._call(self._stub.Unpin, req).statuses)
+        return convert.statuses_from_pb(self._call(self._stub.Unpin, req).statuses)
 
     def stats(self, pool: str | None = None, *, all_pools: bool = False) -> list[PoolStats]:
         """Stats of one pool (default: the default pool), or of every pool on the sidecar."""
         pool_id = "" if all_pools else self._pool(pool).pool_id
         r = self._call(self._stub.GetStats, pb.GetStatsRequest(pool_id=pool_id))
-        return [wire.stats_from_pb(s) for s in r.pools]
+        return [convert.stats_from_pb(s) for s in r.pools]
 
     def close(self) -> None:
         """Unregister this client's pools (best effort) and close the channel. Idempotent."""
-        self._stop.set()
+        self._conn.stop_keep_alive()
         for pool_id in list(self._pools):
             try:
                 self.unregister(pool_id, retry=False)  # a dead sidecar fails fast
             except HiCacheRpcError:
                 self._pools.pop(pool_id, None)
-        self._channel.close()
+        self._conn.close()
 
     def __enter__(self) -> HiCacheClient:
         return self

@@ -1,0 +1,125 @@
+"""The service's vocabulary, shared by both sides of the socket: per-key statuses, tiers,
+and the results and stats the sidecar answers and the client hands to the engine.
+Plain dataclasses and enums: no gRPC, no torch (hicache.rpc.convert maps them to protobuf).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class KeyStatus(enum.Enum):
+    """Per-key outcome; names match hicache.v1.KeyStatus without the KEY_STATUS_ prefix."""
+
+    STORED = "stored"  # offload: copied to host
+    DEDUPLICATED = "deduplicated"  # offload: already resident
+    NO_SPACE = "no_space"  # offload: no free or evictable host page
+    LOADED = "loaded"  # reload: copied to the device page
+    NOT_FOUND = "not_found"  # not resident in host memory
+    RESIDENT = "resident"  # prefetch: already in host memory
+    MISSING = "missing"  # prefetch: in no tier
+    EVICTED = "evicted"
+    BUSY = "busy"  # evict: pinned or being read
+    PINNED = "pinned"
+    UNPINNED = "unpinned"
+    NOT_PINNED = "not_pinned"
+    LOADED_FROM_STORAGE = "loaded_from_storage"  # reload: fetched from storage first
+    FETCHING = "fetching"  # prefetch: being fetched from storage
+    FETCHED = "fetched"  # prefetch: fetched from storage into host memory
+
+
+class Tier(enum.Enum):
+    NONE = "none"
+    HOST = "host"
+    STORAGE = "storage"
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """What RegisterPool returns."""
+
+    pool_id: str
+    host_pages: int
+    host_shm_name: str
+    host_layout: str
+    host_nbytes: int
+    geometry_fingerprint: str
+    key_hash: str
+    key_bytes: int
+    lease_timeout_s: float
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Offload / Reload answer: one status per key, in request order."""
+
+    statuses: tuple[KeyStatus, ...]
+    bytes_copied: int = 0
+    op_id: str = ""
+    done: bool = True
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    statuses: tuple[KeyStatus, ...]
+    pages_freed: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    prefix_length: int
+    tiers: tuple[Tier, ...]
+
+
+@dataclass(frozen=True)
+class TierStats:
+    tier: Tier
+    pages: int
+    bytes: int
+    hits: int
+    misses: int
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    pool_id: str
+    group: str
+    namespace: str
+    model_id: str
+    device_pages: int
+    host_pages: int
+    used_pages: int
+    pinned_pages: int
+    page_bytes: int
+    tiers: tuple[TierStats, ...]
+    offload_bytes: int
+    offload_gbps: float
+    reload_bytes: int
+    reload_gbps: float
+    ops_in_flight: int
+    storage_backend: str = "none"
+    storage_healthy: bool = True
+    storage_write_queue: int = 0
+    copy_backend: str = ""  # TransferEngine.backend: native | torch | triton
+
+
+@dataclass(frozen=True)
+class PrefetchOutcome:
+    """Prefetch answer: per-key statuses, the op id to Watch, and how the wait ended."""
+
+    statuses: tuple[KeyStatus, ...]
+    op_id: str = ""
+    done: bool = True
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class OpEvent:
+    """One progress event of an asynchronous operation."""
+
+    kind: str  # "layer_done", "progress" (prefetch pages), "done" or "failed"
+    layer: int = 0  # pool-local layer index, for "layer_done"
+    layers_done: int = 0
+    layer_num: int = 0
+    error: str = ""

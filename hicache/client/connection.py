@@ -1,0 +1,90 @@
+"""The client's connection to one sidecar: the channel, deadlines, retries with the same
+request id, and the lease keep-alive thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import grpc
+
+from hicache.client.handles import HiCacheRpcError
+from hicache.client.tls import ClientTls
+from hicache.rpc.generated import hicache_pb2 as pb
+from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+
+def grpc_target(target: str) -> str:
+    """ "/path" is a Unix socket ("unix:///path"); anything else is a gRPC target as given."""
+    return f"unix://{target}" if target.startswith("/") else target
+
+
+class Connection:
+    """Thread-safe. `stub` is the hicache.v1.HiCache stub; `metadata` carries the token."""
+
+    def __init__(self, target: str, token: str | None, *, timeout: float, retries: int, tls: ClientTls | None):
+        self.target = grpc_target(target)
+        self.timeout = timeout
+        self.retries = retries
+        options = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            # a restarted sidecar is found again within a second, not after a long backoff
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        if tls is None:
+            self._channel = grpc.insecure_channel(self.target, options=options)
+        else:
+            self._channel = grpc.secure_channel(self.target, tls.credentials(), options=options + tls.options())
+        self.stub = pb_grpc.HiCacheStub(self._channel)
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._stop = threading.Event()
+        self._keepalive: threading.Thread | None = None
+
+    def call(self, method: Callable[..., T], request: Any, *, retry: bool = True, wait: bool = False) -> T:
+        """One call with the deadline. `wait`: wait (up to the deadline) for a sidecar that is
+        not up yet, for the first contact; otherwise a sidecar that is down fails the call at
+        once with UNAVAILABLE, so an engine never stalls a forward pass on a dead cache.
+        `retry`: an UNAVAILABLE call is retried (same request id) `retries` times.
+        Raises HiCacheRpcError."""
+        attempts = 1 + (self.retries if retry else 0)
+        for attempt in range(attempts):
+            try:
+                return method(request, timeout=self.timeout, metadata=self.metadata, wait_for_ready=wait)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
+                    time.sleep(min(self.timeout, 0.02 * 2**attempt))
+                    continue  # same request id: the sidecar answers a retry idempotently
+                raise HiCacheRpcError(code, exc.details() or "") from None
+        raise AssertionError("unreachable")
+
+    def keep_alive(self, pool_ids: Callable[[], Iterable[str]], lease_s: float) -> None:
+        """Start (once) a thread that renews the leases of pool_ids() every lease_s / 3."""
+        if self._keepalive is not None:
+            return
+
+        def renew() -> None:
+            while not self._stop.wait(max(0.05, lease_s / 3)):
+                for pool_id in list(pool_ids()):
+                    try:
+                        self.stub.KeepAlive(
+                            pb.KeepAliveRequest(pool_id=pool_id), timeout=self.timeout, metadata=self.metadata
+                        )
+                    except grpc.RpcError:
+                        pass  # the next call reports the problem
+
+        self._keepalive = threading.Thread(target=renew, daemon=True, name="hicache-keepalive")
+        self._keepalive.start()
+
+    def stop_keep_alive(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._channel.close()

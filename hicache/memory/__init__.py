@@ -1,0 +1,41 @@
+"""How memory is allocated and shared. The only package that knows.
+
+- CPU: POSIX shared memory (a file under /dev/shm, mode 0600, unpredictable name),
+  mapped as a flat uint8 tensor that another process can map by name.
+- CUDA device memory: one cudaMalloc per pool through cupy, exportable with CUDA IPC
+  (handle + offset from the allocation base).
+- CUDA host memory: the shared-memory mapping is page-locked with cudaHostRegister.
+
+Everything else sees `SharedBuffer.tensor`, a flat uint8 tensor.
+"""
+
+from hicache.memory.buffer import MemoryHandle, SharedBuffer, ShmKind, local_buffer, wrap_tensor
+from hicache.memory.cuda import (
+    CudaIpcOpens,
+    RefCountedOpens,
+    alloc_device,
+    cuda_available,
+    cuda_device_count,
+    open_cuda_ipc,
+    pin_host,
+)
+from hicache.memory.shm import SHM_PREFIX, create_shm, open_shm, shm_dir
+
+__all__ = [
+    "SHM_PREFIX",
+    "CudaIpcOpens",
+    "MemoryHandle",
+    "RefCountedOpens",
+    "SharedBuffer",
+    "ShmKind",
+    "alloc_device",
+    "create_shm",
+    "cuda_available",
+    "cuda_device_count",
+    "local_buffer",
+    "open_cuda_ipc",
+    "open_shm",
+    "pin_host",
+    "shm_dir",
+    "wrap_tensor",
+]

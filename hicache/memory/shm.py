@@ -1,0 +1,112 @@
+"""POSIX shared memory: segments under /dev/shm (mode 0600, unpredictable names), created,
+mapped by name in another process, and unlinked on close, at exit and on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import stat
+import tempfile
+import threading
+
+import torch
+
+from hicache.memory.buffer import MemoryHandle, SharedBuffer, check_nbytes
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+SHM_PREFIX = "hicache-"
+
+
+def shm_dir() -> str:
+    """Directory that backs POSIX shared memory (/dev/shm on Linux)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def create_shm(nbytes: int) -> SharedBuffer:
+    """Create a new shared-memory segment, mode 0600 (whatever the umask), with an
+    unpredictable name (96 random bits), unlinked on close, at exit, and on a SIGTERM the
+    process does not handle itself (see _unlink_on_sigterm)."""
+    check_nbytes(nbytes)
+    name = SHM_PREFIX + secrets.token_hex(12)
+    path = os.path.join(shm_dir(), name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # exactly owner read/write, whatever the umask
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    _LIVE_SEGMENTS.add(path)
+    _unlink_on_sigterm()
+    try:
+        tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        tensor.zero_()  # fault every page in now, not on the first transfer
+    except BaseException:
+        _release_segment(path)
+        raise
+    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: _release_segment(path))
+
+
+# Segments this process created and has not unlinked yet. A set's add/discard/copy are atomic
+# under the GIL, so the SIGTERM handler reads it without a lock (a lock could deadlock there).
+_LIVE_SEGMENTS: set[str] = set()
+
+
+def _release_segment(path: str) -> None:
+    _LIVE_SEGMENTS.discard(path)
+    _unlink(path)
+
+
+def _unlink_on_sigterm() -> None:
+    """Make SIGTERM unlink this process's segments before it dies. Installed only where
+    SIGTERM still has its default action (the process would die without running atexit or
+    finalizers): a process with its own handler (the sidecar) shuts down through it instead.
+    After unlinking, the default action runs, so the exit status is still "killed by SIGTERM"."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        for path in list(_LIVE_SEGMENTS):
+            _unlink(path)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def open_shm(name: str, nbytes: int) -> SharedBuffer:
+    """Map an existing segment created by create_shm in another process.
+
+    Raises ValueError for a malformed name or a size mismatch, FileNotFoundError if absent.
+    """
+    check_nbytes(nbytes)
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
+        raise ValueError(f"invalid shared-memory name {name!r}")
+    path = os.path.join(shm_dir(), name)
+    try:  # O_NOFOLLOW: a symlink planted to map some other file fails here (ELOOP)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ValueError(f"shared memory {name!r} cannot be opened as a plain file: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)  # checks and maps this very file, whatever the name points to by then
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"shared memory {name!r} is not a regular file")
+        if st.st_size != nbytes:
+            raise ValueError(f"shared memory {name!r} holds {st.st_size} bytes, expected {nbytes}")
+        source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path  # Linux: the open file
+        tensor = torch.from_file(source, shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        os.close(fd)  # the mapping stays
+    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: None)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

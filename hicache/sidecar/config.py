@@ -1,0 +1,50 @@
+"""How the sidecar service sizes and guards its pools."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hicache.cache.config import HiCacheConfig
+from hicache.geometry import KVGeometry
+from hicache.pools.layouts import LAYOUTS
+
+# --hicache-io-backend value -> TransferEngine backend
+IO_BACKENDS: dict[str, Literal["auto", "torch", "triton"]] = {"auto": "auto", "direct": "torch", "kernel": "triton"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """How the service sizes and guards pools.
+
+    expected: the geometry per group ("full", "swa") the sidecar accepts, derived from the
+    model config; None accepts any valid geometry. Host pool pages per registered pool:
+    see HiCacheConfig.host_pages (SGLang's --hicache-size / --hicache-ratio). `hierarchy`
+    also names the storage tier and the write and prefetch policies; the default here is
+    host memory only (backend "none"), the server's default is the file tier.
+    """
+
+    expected: dict[str, KVGeometry] | None = None
+    hierarchy: HiCacheConfig = field(default_factory=lambda: HiCacheConfig(storage_backend="none"))
+    host_layout: str = "layer_first"
+    lease_timeout_s: float = 30.0
+    max_batch: int = 65536
+    max_pools: int = 64
+    request_cache_size: int = 4096
+    finished_ops_kept: int = 256
+    io_backend: str = "auto"  # SGLang's --hicache-io-backend: direct (torch copies), kernel (Triton), auto
+
+    def __post_init__(self) -> None:
+        if self.io_backend not in IO_BACKENDS:
+            raise ValueError(f"unknown io backend {self.io_backend!r}; expected one of {list(IO_BACKENDS)}")
+        if self.host_layout not in LAYOUTS:
+            raise ValueError(f"unknown host layout {self.host_layout!r}; expected one of {list(LAYOUTS)}")
+        if self.lease_timeout_s <= 0:
+            raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
+        for name in ("max_batch", "max_pools", "request_cache_size", "finished_ops_kept"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def host_pages_for(self, geometry: KVGeometry, device_pages: int) -> int:
+        """Host pool pages for a pool of device_pages pages of `geometry` (at least 1)."""
+        return self.hierarchy.host_pages(geometry, device_pages)
