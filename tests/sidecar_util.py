@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 from conftest import load_config
 
+from hicache.api import PoolInfo
+from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry, model_geometries
 from hicache.keys import page_keys
 from hicache.memory import shm_dir
@@ -17,6 +22,8 @@ from hicache.sidecar.service import HiCacheService
 
 PAGE_SIZE = 16  # small pages keep the tests fast; the geometry is MiMo-V2-Flash's otherwise
 CONFIG_PATH = Path(__file__).parent / "fixtures" / "model_configs" / "mimo_v2_flash.json"
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "test-model@rev1"
 
 
 def mimo_geometries(page_size: int = PAGE_SIZE) -> dict[str, KVGeometry]:
@@ -65,3 +72,40 @@ def zero_pages(pool: DeviceKVPool, pages: range | list[int]) -> None:
 
 def all_zero(pool: DeviceKVPool, pages: range | list[int]) -> bool:
     return all(not pool.read_page(p).any() for p in pages)
+
+
+def service(tmp: Path, backend: str = "file", **hierarchy: object) -> HiCacheService:
+    extra = {"dir": str(tmp / "tier")} if backend == "file" else hierarchy.pop("extra", {})
+    cfg = HiCacheConfig(storage_backend=backend, extra_config=extra, ratio=1.0, **hierarchy)  # type: ignore[arg-type]
+    return HiCacheService(ServiceConfig(hierarchy=cfg))
+
+
+def register(svc: HiCacheService, dev, namespace: str = "") -> PoolInfo:  # type: ignore[no-untyped-def]
+    info = svc.register(
+        "reg",
+        geometry=dev.geometry,
+        device_pages=dev.num_pages,
+        device_memory=dev.handle,
+        model_id=MODEL,
+        namespace=namespace,
+    )
+    assert isinstance(info, PoolInfo)
+    return info
+
+
+def keys(n: int, seed: int = 0, namespace: str = "") -> list[bytes]:
+    tokens = torch.randint(0, 50000, (n * 4,), generator=torch.Generator().manual_seed(seed))
+    return page_keys(tokens.numpy(), 4, namespace)
+
+
+def start_sidecar(sockdir: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    sock = os.path.join(sockdir, "hc.sock")
+    args = ["--socket", sock, "--model-config", str(CONFIG_PATH), "--page-size", str(PAGE_SIZE)]
+    args += ["--hicache-storage-backend-extra-config", json.dumps({"dir": os.path.join(sockdir, "tier")})]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", *args, "--kv-cache-dtype", "bfloat16", "--log-level", "WARNING", *extra],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    return proc, f"unix://{sock}"

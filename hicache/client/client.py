@@ -36,7 +36,6 @@ from hicache.pools import DeviceKVPool
 from hicache.rpc import convert
 from hicache.rpc.generated import hicache_pb2 as pb
 
-__all__ = ["ClientTls", "HiCacheClient", "HiCacheRpcError", "RegisteredPool", "ReloadHandle", "page_keys"]
 T = TypeVar("T")
 
 

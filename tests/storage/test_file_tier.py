@@ -29,7 +29,7 @@ while True:
 @pytest.mark.parametrize("name", GEOMETRY_NAMES)
 def test_sigkill_mid_write_then_restart_serves_every_acknowledged_page(tmp_path, name):
     g = GEOMETRIES[name]
-    script = WRITER.format(tests=str(Path(__file__).parent), name=name, dir=str(tmp_path))
+    script = WRITER.format(tests=str(Path(__file__).resolve().parents[1]), name=name, dir=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     acked = []

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sidecar_util import all_zero, filled_device, keys_for, mimo_geometries, shm_exists, zero_pages
-from test_sidecar_processes import start_sidecar
+from sidecar_util import all_zero, filled_device, keys_for, mimo_geometries, shm_exists, start_sidecar, zero_pages
 
 from hicache.api import KeyStatus, Tier
 from hicache.client import HiCacheClient, HiCacheRpcError
@@ -31,7 +30,7 @@ from hicache.sidecar.config import ServiceConfig
 from hicache.sidecar.service import HiCacheService
 from server import ServerConfig, create_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 S = KeyStatus
 
 

@@ -14,7 +14,7 @@ from hicache.cache.config import HiCacheConfig
 from hicache.sidecar.config import ServiceConfig
 from server import ServerConfig, create_server
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "load.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "load.py"
 
 
 def load_bench():  # type: ignore[no-untyped-def]

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sidecar_util import filled_device, zero_pages
-from test_service_tiers import keys
+from sidecar_util import filled_device, keys, zero_pages
 from tier_helpers import GEOMETRIES, RedisServer
 
 from hicache.api import KeyStatus, PoolInfo, Tier

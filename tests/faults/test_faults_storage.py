@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sidecar_util import filled_device, zero_pages
-from test_service_tiers import keys, register, service
+from sidecar_util import filled_device, keys, register, service, zero_pages
 from tier_helpers import GEOMETRIES, RedisServer, identity
 
 import hicache.storage.file as file_tier

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "transfer.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "transfer.py"
 
 
 def load_bench():

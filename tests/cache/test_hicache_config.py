@@ -70,7 +70,7 @@ def test_bad_values_name_the_value(argv, match):
 
 def test_control_path_does_not_import_torch():
     # hicache/__init__ imports the pools (torch), so check the sources, not sys.modules
-    root = Path(__file__).parent.parent / "hicache"
+    root = Path(__file__).resolve().parents[2] / "hicache"
     for path in [*(root / "cache").glob("*.py"), *(root / "storage").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []

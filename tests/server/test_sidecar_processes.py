@@ -3,7 +3,6 @@ the sidecar runs as `python -m server` on a Unix socket."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -17,27 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from sidecar_util import CONFIG_PATH, PAGE_SIZE, filled_device, mimo_full, shm_exists
+from sidecar_util import PAGE_SIZE, filled_device, mimo_full, shm_exists, start_sidecar
 
 from hicache.api import KeyStatus
 from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.geometry import KVGeometry
 from hicache.pools import DeviceKVPool
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def start_sidecar(sockdir: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    sock = os.path.join(sockdir, "hc.sock")
-    args = ["--socket", sock, "--model-config", str(CONFIG_PATH), "--page-size", str(PAGE_SIZE)]
-    args += ["--hicache-storage-backend-extra-config", json.dumps({"dir": os.path.join(sockdir, "tier")})]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", *args, "--kv-cache-dtype", "bfloat16", "--log-level", "WARNING", *extra],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    return proc, f"unix://{sock}"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

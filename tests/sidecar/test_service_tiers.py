@@ -9,41 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from sidecar_util import PAGE_SIZE, filled_device
+from sidecar_util import MODEL, PAGE_SIZE, filled_device, keys, register, service
 from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, RedisServer
 
 from hicache.api import KeyStatus, PoolInfo, Tier
 from hicache.cache.config import HiCacheConfig
-from hicache.keys import page_keys
-from hicache.sidecar.config import ServiceConfig
-from hicache.sidecar.service import HiCacheService
 
 S = KeyStatus
-MODEL = "test-model@rev1"
-
-
-def service(tmp: Path, backend: str = "file", **hierarchy: object) -> HiCacheService:
-    extra = {"dir": str(tmp / "tier")} if backend == "file" else hierarchy.pop("extra", {})
-    cfg = HiCacheConfig(storage_backend=backend, extra_config=extra, ratio=1.0, **hierarchy)  # type: ignore[arg-type]
-    return HiCacheService(ServiceConfig(hierarchy=cfg))
-
-
-def register(svc: HiCacheService, dev, namespace: str = "") -> PoolInfo:  # type: ignore[no-untyped-def]
-    info = svc.register(
-        "reg",
-        geometry=dev.geometry,
-        device_pages=dev.num_pages,
-        device_memory=dev.handle,
-        model_id=MODEL,
-        namespace=namespace,
-    )
-    assert isinstance(info, PoolInfo)
-    return info
-
-
-def keys(n: int, seed: int = 0, namespace: str = "") -> list[bytes]:
-    tokens = torch.randint(0, 50000, (n * 4,), generator=torch.Generator().manual_seed(seed))
-    return page_keys(tokens.numpy(), 4, namespace)
 
 
 @pytest.mark.parametrize("name", GEOMETRY_NAMES)

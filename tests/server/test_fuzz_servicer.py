@@ -17,8 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sidecar_util import filled_device
-from test_service_tiers import keys
+from sidecar_util import filled_device, keys
 from tier_helpers import GEOMETRIES
 
 from hicache.cache.config import HiCacheConfig

@@ -25,7 +25,7 @@ from hicache.memory import create_shm
 from hicache.sidecar.config import ServiceConfig
 from server import ServerConfig, create_server, parse_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
