@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-tiers clean setup
+.PHONY: demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang
 
 $(STAMP): pyproject.toml setup.py hicache/transfer/_native.c
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -27,6 +27,32 @@ test: $(STAMP)
 	@rc=0; TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
 
+# SGLang beside hicache: SGLang pins a CUDA torch, so it lives in its own venv, installed
+# --no-deps over the CPU torch (requirements-sglang.txt), with hicache installed into it too.
+SGL_VENV ?= .venv-sglang
+SGL_PY := $(SGL_VENV)/bin/python
+SGL_STAMP := $(SGL_VENV)/.installed
+
+$(SGL_STAMP): requirements-sglang.txt pyproject.toml setup.py hicache/transfer/_native.c
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
+	$(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_PY) -m pip install -q --upgrade pip
+	$(SGL_PY) -m pip install -q torch==2.13.0
+	$(SGL_PY) -m pip install -q --no-deps -r requirements-sglang.txt
+	$(SGL_PY) -m pip install -q -e '.[dev]'
+	touch $(SGL_STAMP)
+
+sglang-env: $(SGL_STAMP)
+
+# the adapter's tests against SGLang's real classes; HICACHE_REQUIRE_ENGINES turns a missing
+# engine into a failure instead of a skip
+test-sglang: $(SGL_STAMP)
+	@rc=0; HICACHE_REQUIRE_ENGINES=sglang TRITON_INTERPRET=1 $(SGL_PY) -m pytest tests/integrations/sglang $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
+
+bench-sglang: $(SGL_STAMP)
+	$(SGL_PY) benchmarks/sglang_backend.py
+
 bench: $(STAMP)
 	$(PY) benchmarks/transfer.py
 
@@ -35,4 +61,4 @@ bench-tiers: $(STAMP)
 	$(PY) benchmarks/tiers.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGL_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -98,9 +98,12 @@ def keys(n: int, seed: int = 0, namespace: str = "") -> list[bytes]:
     return page_keys(tokens.numpy(), 4, namespace)
 
 
-def start_sidecar(sockdir: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_sidecar(
+    sockdir: str, *extra: str, config: Path = CONFIG_PATH, page_size: int = PAGE_SIZE
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m server` on sockdir/hc.sock with the model `config`, the file tier in sockdir/tier."""
     sock = os.path.join(sockdir, "hc.sock")
-    args = ["--socket", sock, "--model-config", str(CONFIG_PATH), "--page-size", str(PAGE_SIZE)]
+    args = ["--socket", sock, "--model-config", str(config), "--page-size", str(page_size)]
     args += ["--hicache-storage-backend-extra-config", json.dumps({"dir": os.path.join(sockdir, "tier")})]
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", *args, "--kv-cache-dtype", "bfloat16", "--log-level", "WARNING", *extra],

@@ -1,0 +1,74 @@
+"""The adapter's keys in SGLang's --hicache-storage-backend-extra-config."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.paths import default_socket_path
+
+# Keys SGLang itself reads from the same JSON (loader, controller, allocator); passed over.
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "allocator",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+        "file_storage_path",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    """target: the sidecar ("unix:///path", "/path" or "host:port"; default $HICACHE_SOCKET,
+    else the server's default socket). token: its --token (default $HICACHE_TOKEN).
+    namespace: the tenant. model_id: the stored pages' model identity (default SGLang's
+    model_name). model_config: an HF config.json for the layer ids and a cross-check (default
+    <model_name>/config.json when that exists). staging_pages: pages per copy batch (SGLang
+    sends 128). timeout_s: each call's deadline, and how long start-up waits for the sidecar."""
+
+    target: str
+    token: str | None = None
+    namespace: str = ""
+    model_id: str | None = None
+    model_config: str | None = None
+    staging_pages: int = 128
+    timeout_s: float = 10.0
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> Options:
+        """Raises ValueError naming an unknown key (listing the accepted ones) or a bad value."""
+        extra = dict(extra or {})
+        fields = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - fields - SGLANG_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown hicache key(s) {unknown} in --hicache-storage-backend-extra-config; "
+                f"hicache accepts {sorted(fields)} (besides SGLang's own {sorted(SGLANG_KEYS)})"
+            )
+        mine = {k: v for k, v in extra.items() if k in fields}
+        mine.setdefault("target", os.environ.get("HICACHE_SOCKET") or default_socket_path())
+        mine.setdefault("token", os.environ.get("HICACHE_TOKEN"))
+        for key in ("target", "namespace"):
+            if not isinstance(mine.get(key, ""), str) or (key == "target" and not mine[key]):
+                raise ValueError(f"extra config {key!r} must be a non-empty string, got {mine.get(key)!r}")
+        for key in ("token", "model_id", "model_config"):
+            if mine.get(key) is not None and not isinstance(mine[key], str):
+                raise ValueError(f"extra config {key!r} must be a string, got {mine[key]!r}")
+        pages = mine.get("staging_pages", 128)
+        if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
+            raise ValueError(f"extra config 'staging_pages' must be an int >= 1, got {pages!r}")
+        for key in ("timeout_s",):
+            value = mine.get(key, 1.0)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"extra config {key!r} must be a number > 0, got {value!r}")
+        return cls(**mine)

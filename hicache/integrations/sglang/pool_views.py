@@ -1,0 +1,147 @@
+"""SGLang host pools seen page by page, and the KVGeometry they hold.
+
+SGLang 0.5.23's host pools (sglang.srt.mem_cache.pool_host), per layout:
+  MHA, K = V dims:  kv_buffer [2, slots, L, H, D] (page_first), [2, pages, L, P, H, D]
+                    (page_first_direct), [2, L, slots, H, D] (layer_first)
+  MHA, K != V dims: k_buffer / v_buffer, each [slots, L, H, D] or [pages, L, P, H, D]
+                    (page_first / page_first_direct only)
+  MLA:              kv_buffer [slots, L, 1, C], [pages, L, P, 1, C] or [L, slots, 1, C]
+page_views() turns any of these into, per layer, the K (latent) and V views of every page,
+shaped [pages, P, *row]; the copies to and from hicache's pools index them by page. A flat
+page (get_data_page(flat=True)) is the same layout over one page, K half then V half.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from hicache.geometry import KVGeometry
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+_DTYPES = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.uint8: "float8_e4m3fn",  # SGLang keeps fp8 e4m3 caches as uint8 storage
+}
+LayerViews = list[tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def is_mla(pool: Any) -> bool:
+    return hasattr(pool, "kv_lora_rank")
+
+
+def check_layout(pool: Any) -> str:
+    layout = getattr(pool, "layout", None)
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"SGLang host pool layout {layout!r} is not supported by hicache; "
+            f"start SGLang with --hicache-mem-layout one of {list(LAYOUTS)}"
+        )
+    return str(layout)
+
+
+def _layer(buf: torch.Tensor, layout: str, layer: int, pages: int, page_size: int) -> torch.Tensor:
+    """One layer of a [slots|pages, ...] buffer as [pages, page_size, *row]."""
+    if layout == "layer_first":
+        return buf[layer].unflatten(0, (pages, page_size))
+    if layout == "page_first":
+        return buf[:, layer].unflatten(0, (pages, page_size))
+    return buf[:, layer]  # page_first_direct: [pages, L, P, *row]
+
+
+def _sides(pool: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if is_mla(pool):
+        return pool.kv_buffer, None
+    if getattr(pool, "k_buffer", None) is not None:  # AsymmetricMHATokenToKVPoolHost
+        return pool.k_buffer, pool.v_buffer
+    return pool.kv_buffer[0], pool.kv_buffer[1]
+
+
+def page_views(pool: Any) -> LayerViews:
+    """Per layer, (K, V) of every page of SGLang host pool `pool`, each [pages, P, *row] (V is
+    None for MLA). Views, not copies. Raises ValueError for an unsupported layout."""
+    layout = check_layout(pool)
+    k, v = _sides(pool)
+    pages, p = pool.page_num, pool.page_size
+    return [
+        (_layer(k, layout, i, pages, p), None if v is None else _layer(v, layout, i, pages, p))
+        for i in range(pool.layer_num)
+    ]
+
+
+def flat_page_views(pool: Any, flat: torch.Tensor) -> LayerViews:
+    """The same views over one flat page of `pool` (get_data_page(flat=True) order: the
+    pool's layout over one page, K half then V half), each [1, P, *row]."""
+    layout = check_layout(pool)
+    k, v = _sides(pool)
+    p, layers = pool.page_size, pool.layer_num
+    row_k, row_v = k.shape[-2:], None if v is None else v.shape[-2:]
+    halves = [flat] if v is None else list(flat.view(2, -1))
+    lead = (p, layers) if layout == "page_first" else (layers, p)
+    kk = halves[0].view(*lead, *row_k)
+    vv = None if row_v is None else halves[1].view(*lead, *row_v)
+
+    def pick(t: torch.Tensor, i: int) -> torch.Tensor:
+        return (t[:, i] if layout == "page_first" else t[i]).unsqueeze(0)
+
+    return [(pick(kk, i), None if vv is None else pick(vv, i)) for i in range(layers)]
+
+
+def geometry_of(pool: Any, *, layer_ids: tuple[int, ...] | None = None) -> KVGeometry:
+    """The KVGeometry of SGLang host pool `pool` (its own fields: heads, head dims or MLA
+    widths, layers, page size, dtype). layer_ids: the model's layer ids of this pool's layers
+    (default start_layer .. end_layer). Raises ValueError for what hicache cannot hold."""
+    check_layout(pool)
+    dtype = _DTYPES.get(pool.dtype)
+    if dtype is None:
+        raise ValueError(
+            f"SGLang host pool dtype {pool.dtype} is not one hicache stores; expected one of {list(_DTYPES)}"
+        )
+    start = getattr(pool, "start_layer", 0) or 0
+    ids = layer_ids if layer_ids is not None else tuple(range(start, start + pool.layer_num))
+    if is_mla(pool):
+        return KVGeometry(
+            attention="mla",
+            layer_num=pool.layer_num,
+            head_num=1,
+            kv_lora_rank=pool.kv_lora_rank,
+            qk_rope_head_dim=pool.qk_rope_head_dim,
+            page_size=pool.page_size,
+            dtype=dtype,
+            layer_ids=ids,
+        )
+    v_dim = getattr(pool, "v_head_dim", None) or pool.head_dim
+    return KVGeometry(
+        layer_num=pool.layer_num,
+        head_num=pool.head_num,
+        head_dim=pool.head_dim,
+        v_head_dim=v_dim,
+        page_size=pool.page_size,
+        dtype=dtype,
+        layer_ids=ids,
+    )
+
+
+def model_config(model_name: str | None, path: str | None) -> dict[str, Any] | None:
+    """The HF config.json of the model: `path` if given (ValueError if unreadable), else
+    <model_name>/config.json when model_name is a local folder, else None."""
+    if path is None and model_name:
+        candidate = os.path.join(model_name, "config.json")
+        path = candidate if os.path.isfile(candidate) else None
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read model config {path!r}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model config {path!r} is not a JSON object")
+    return config

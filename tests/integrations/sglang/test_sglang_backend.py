@@ -1,0 +1,157 @@
+"""hicache as SGLang 0.5.23's storage backend, against SGLang's real classes (its factory, host
+pools over CPU tensors, get_hash_str keys) and a live hicache-server on a Unix socket."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sglang_env import require_sglang
+
+require_sglang()
+
+import torch  # noqa: E402
+from sglang_env import (  # noqa: E402
+    FIXTURES,
+    create,
+    fill,
+    keys_for,
+    mha_host_pool,
+    model_dir,
+    page_bytes,
+    sglang_rows,
+    sidecar_dir,
+    storage_config,
+)
+from sidecar_util import start_sidecar  # noqa: E402
+
+from hicache.geometry import model_geometries  # noqa: E402
+
+MIMO = model_geometries(
+    __import__("json").loads((FIXTURES / "mimo_v2_flash.json").read_text()), tp_size=1, page_size=16, dtype="bf16"
+)
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    yield from sidecar_dir()
+
+
+def sidecar(sockdir: str, model: str = "mimo_v2_flash", *extra: str) -> tuple[Any, str]:
+    return start_sidecar(sockdir, *extra, config=FIXTURES / f"{model}.json", page_size=16)
+
+
+def stop(proc: Any) -> None:
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def mimo_full(layout: str, pages: int = 8) -> Any:
+    g = MIMO["full"]
+    return mha_host_pool(g.layer_num, g.head_num, g.head_dim, g.v_head_dim, layout=layout, pages=pages)
+
+
+def alloc(pool: Any, n_pages: int) -> torch.Tensor:
+    return pool.alloc(n_pages * pool.page_size)
+
+
+def pages_of(indices: torch.Tensor, page: int = 16) -> list[int]:
+    return (indices[::page] // page).tolist()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_mimo_k192_v128_set_evict_get_is_bit_exact(tmp_path: Path, sockdir: str, layout: str) -> None:
+    proc, target = sidecar(sockdir)
+    try:
+        pool = mimo_full(layout)
+        assert type(pool).__name__ == "AsymmetricMHATokenToKVPoolHost"
+        backend = create(storage_config(model_dir(tmp_path, "mimo_v2_flash"), target, layout=layout), pool)
+        fill(pool, seed=1)
+        keys = keys_for(list(range(3 * 16)))
+        src = alloc(pool, 3)
+        before = [page_bytes(pool, p) for p in pages_of(src)]
+        assert backend.batch_set_v1(keys, src) == [True] * 3
+        # the sidecar holds hicache's layout: every layer's K (192) and V (128) rows are SGLang's
+        staging = backend.links["kv"].staging
+        for layer in range(pool.layer_num):
+            for i, p in enumerate(pages_of(src)):
+                k, v = sglang_rows(pool, layer, p)
+                assert torch.equal(staging.k_buffer(layer)[i * 16 : (i + 1) * 16], k)
+                assert torch.equal(staging.v_buffer(layer)[i * 16 : (i + 1) * 16], v)
+        assert backend.batch_exists(keys) == 3
+        pool.free(src)  # evicted from SGLang's host pool ...
+        fill(pool, seed=2)
+        dst = alloc(pool, 3)
+        assert backend.batch_get_v1(keys, dst) == [True] * 3
+        assert [page_bytes(pool, p) for p in pages_of(dst)] == before
+        # ... and from the sidecar's host memory: the file tier serves them, still exact
+        link = backend.links["kv"]
+        wait_stored(backend, 3)
+        assert backend.client.evict(num_pages=link.host_pages, pool=link.pool_id).pages_freed == 3
+        fill(pool, seed=3)
+        assert backend.batch_get_v1(keys, dst) == [True] * 3
+        assert [page_bytes(pool, p) for p in pages_of(dst)] == before
+        backend.close()
+    finally:
+        stop(proc)
+
+
+def wait_stored(backend: Any, n: int, name: str = "kv") -> None:
+    """Until the sidecar's write-through has put n pages in its storage tier (no timing checks:
+    this only waits for the background writer)."""
+    link = backend.links[name]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        st = backend.client.stats(pool=link.pool_id)[0]
+        if st.storage_write_queue == 0 and st.tiers[1].pages >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the sidecar did not store the pages")
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_llama_every_layout_and_flat_pages(tmp_path: Path, sockdir: str, layout: str) -> None:
+    proc, target = sidecar(sockdir, "llama_3_1_8b", "--tp-size", "2")
+    try:
+        pool = mha_host_pool(32, 4, 128, 128, layout=layout)
+        assert type(pool).__name__ == "MHATokenToKVPoolHost"
+        backend = create(storage_config(model_dir(tmp_path, "llama_3_1_8b"), target, layout=layout, tp=(0, 2)), pool)
+        fill(pool, seed=4)
+        keys = keys_for(list(range(2 * 16)))
+        src = alloc(pool, 2)
+        before = [page_bytes(pool, p) for p in pages_of(src)]
+        assert backend.batch_set_v1(keys, src) == [True, True]
+        dst = alloc(pool, 2)
+        assert backend.batch_get_v1(keys, dst) == [True, True]
+        assert [page_bytes(pool, p) for p in pages_of(dst)] == before
+        # SGLang without interface_v1: flat pages in and out
+        flat_keys = keys_for(list(range(100, 100 + 16)))
+        flat = pool.get_data_page(int(src[0]), flat=True)
+        assert backend.batch_set(flat_keys, [flat]) is True
+        got = backend.batch_get(flat_keys, [pool.get_dummy_flat_data_page()])
+        assert torch.equal(got[0], flat) and backend.exists(flat_keys[0])
+        backend.close()
+    finally:
+        stop(proc)
+
+
+def test_batch_exists_counts_the_stored_prefix(tmp_path: Path, sockdir: str) -> None:
+    proc, target = sidecar(sockdir)
+    try:
+        pool = mimo_full("page_first")
+        backend = create(storage_config(model_dir(tmp_path, "mimo_v2_flash"), target, layout="page_first"), pool)
+        keys = keys_for(list(range(4 * 16)))
+        idx = alloc(pool, 4)
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_set_v1(keys[:2], idx[:32]) == [True, True]
+        assert backend.batch_set_v1(keys[3:], idx[48:]) == [True]  # page 3 without page 2
+        assert backend.batch_exists(keys) == 2
+        assert backend.batch_exists(keys[3:]) == 1 and backend.batch_exists(keys[2:]) == 0
+        # a get stops at the first miss: later pages are of no use to SGLang
+        assert backend.batch_get_v1(keys, alloc(pool, 4)) == [True, True, False, False]
+        backend.close()
+    finally:
+        stop(proc)
