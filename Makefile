@@ -47,7 +47,7 @@ sglang-env: $(SGL_STAMP)
 # the adapter's tests against SGLang's real classes; HICACHE_REQUIRE_ENGINES turns a missing
 # engine into a failure instead of a skip
 test-sglang: $(SGL_STAMP)
-	@rc=0; HICACHE_REQUIRE_ENGINES=sglang TRITON_INTERPRET=1 $(SGL_PY) -m pytest tests/integrations/sglang $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; HICACHE_REQUIRE_ENGINES=sglang TRITON_INTERPRET=1 $(SGL_PY) -m pytest tests/integrations $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
 
 bench-sglang: $(SGL_STAMP)

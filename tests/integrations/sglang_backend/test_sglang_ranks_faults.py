@@ -1,0 +1,216 @@
+"""The SGLang adapter across TP ranks (MHA and MLA), hybrid models (v2), a sidecar that dies or
+restarts, and the start-up refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sglang_env import require_sglang
+
+require_sglang()
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
+from sglang_env import (  # noqa: E402
+    FIXTURES,
+    create,
+    fill,
+    keys_for,
+    mha_host_pool,
+    mla_host_pool,
+    model_dir,
+    page_bytes,
+    sidecar_dir,
+    storage_config,
+)
+from sidecar_util import start_sidecar  # noqa: E402
+from test_sglang_backend import alloc, mimo_full, pages_of, stop, wait_stored  # noqa: E402
+
+from hicache.geometry import model_geometries  # noqa: E402
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    yield from sidecar_dir()
+
+
+def sidecar(sockdir: str, model: str, *extra: str) -> tuple[Any, str]:
+    return start_sidecar(sockdir, *extra, config=FIXTURES / f"{model}.json", page_size=16)
+
+
+def test_two_tp_ranks_never_share_a_page(tmp_path: Path, sockdir: str) -> None:
+    proc, target = sidecar(sockdir, "llama_3_1_8b", "--tp-size", "2")
+    try:
+        name = model_dir(tmp_path, "llama_3_1_8b")
+        ranks = []
+        for r in (0, 1):
+            pool = mha_host_pool(32, 4, 128, 128, layout="page_first")
+            ranks.append((pool, create(storage_config(name, target, layout="page_first", tp=(r, 2)), pool)))
+        keys = keys_for(list(range(2 * 16)))
+        (p0, b0), (p1, b1) = ranks
+        fill(p0, seed=10)
+        fill(p1, seed=11)
+        i0, i1 = alloc(p0, 2), alloc(p1, 2)
+        assert b0.batch_set_v1(keys, i0) == [True, True]
+        assert b1.batch_exists(keys) == 0  # rank 0's heads are not rank 1's
+        assert b1.batch_set_v1(keys, i1) == [True, True]
+        want0, want1 = [page_bytes(p0, p) for p in pages_of(i0)], [page_bytes(p1, p) for p in pages_of(i1)]
+        assert want0 != want1
+        for pool, backend, want in ((p0, b0, want0), (p1, b1, want1)):
+            wait_stored(backend, 2)
+            link = backend.links["kv"]
+            backend.client.evict(num_pages=link.host_pages, pool=link.pool_id)  # storage only from here
+            dst = alloc(pool, 2)
+            assert backend.batch_get_v1(keys, dst) == [True, True]
+            assert [page_bytes(pool, p) for p in pages_of(dst)] == want
+        for _, b in ranks:
+            b.close()
+    finally:
+        stop(proc)
+
+
+def test_mla_writer_writes_and_every_rank_reads(tmp_path: Path, sockdir: str) -> None:
+    proc, target = sidecar(sockdir, "deepseek_v3", "--tp-size", "2")
+    try:
+        name = model_dir(tmp_path, "deepseek_v3")
+        pools = [mla_host_pool(61, layout="page_first") for _ in (0, 1)]
+        backends = [
+            create(storage_config(name, target, layout="page_first", tp=(r, 2), mla=True), pools[r]) for r in (0, 1)
+        ]
+        assert [b.storage_config.is_storage_writer for b in backends] == [True, False]
+        keys = keys_for(list(range(3 * 16)))
+        fill(pools[1], seed=21)
+        assert backends[1].batch_set_v1(keys, alloc(pools[1], 3)) == [True] * 3  # not the writer: stores nothing
+        assert backends[1].batch_exists(keys) == 0 and backends[0].batch_exists(keys) == 0
+        fill(pools[0], seed=20)
+        src = alloc(pools[0], 3)
+        want = [page_bytes(pools[0], p) for p in pages_of(src)]
+        assert backends[0].batch_set_v1(keys, src) == [True] * 3
+        wait_stored(backends[0], 3)
+        for pool, backend in zip(pools, backends, strict=True):
+            assert backend.batch_exists(keys) == 3
+            dst = alloc(pool, 3)
+            assert backend.batch_get_v1(keys, dst) == [True] * 3
+            assert [page_bytes(pool, p) for p in pages_of(dst)] == want
+        for b in backends:
+            b.close()
+    finally:
+        stop(proc)
+
+
+def test_hybrid_full_and_swa_pools_through_v2(tmp_path: Path, sockdir: str) -> None:
+    proc, target = sidecar(sockdir, "mimo_v2_flash")
+    try:
+        g = model_geometries(
+            json.loads((FIXTURES / "mimo_v2_flash.json").read_text()), tp_size=1, page_size=16, dtype="bf16"
+        )
+        kv, swa = (
+            mimo_full("page_first"),
+            mha_host_pool(g["swa"].layer_num, g["swa"].head_num, 192, 128, layout="page_first"),
+        )
+        backend = create(storage_config(model_dir(tmp_path, "mimo_v2_flash"), target, layout="page_first"), kv)
+        backend.register_mem_host_pool_v2(kv, PoolName.KV)
+        backend.register_mem_host_pool_v2(swa, PoolName.SWA)
+        backend.on_host_pools_registered()
+        assert backend.links["swa"].geometry == g["swa"] and backend.links["kv"].geometry == g["full"]
+        fill(kv, seed=30)
+        fill(swa, seed=31)
+        keys = keys_for(list(range(3 * 16)))
+        ki, si = alloc(kv, 3), alloc(swa, 1)
+        assert backend.batch_set_v1(keys, ki) == [True] * 3
+        # SWA keeps only the window: the last page of the prefix
+        out = backend.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=si, keys=keys[2:])])
+        assert out == {"swa": [True]}
+        trailing = [PoolTransfer(name=PoolName.SWA, keys=keys[2:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        res = backend.batch_exists_v2(keys, trailing)
+        assert res.kv_hit_pages == 3 and res.extra_pool_hit_pages == {"kv": 3, "swa": 3}
+        whole = [PoolTransfer(name=PoolName.SWA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+        assert backend.batch_exists_v2(keys, whole).kv_hit_pages == 0  # SWA pages 0-1 were never stored
+        want = page_bytes(swa, pages_of(si)[0])
+        fill(swa, seed=32)
+        di = alloc(swa, 1)
+        got = backend.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=di, keys=keys[2:])])
+        assert got == {"swa": [True]} and page_bytes(swa, pages_of(di)[0]) == want
+        backend.close()
+    finally:
+        stop(proc)
+
+
+def test_sidecar_down_then_restarted_gives_misses_never_exceptions(tmp_path: Path, sockdir: str) -> None:
+    proc, target = sidecar(sockdir, "mimo_v2_flash")
+    try:
+        pool = mimo_full("page_first_direct")
+        backend = create(
+            storage_config(model_dir(tmp_path, "mimo_v2_flash"), target, layout="page_first_direct", timeout_s=2), pool
+        )
+        fill(pool, seed=40)
+        keys = keys_for(list(range(2 * 16)))
+        src = alloc(pool, 2)
+        want = [page_bytes(pool, p) for p in pages_of(src)]
+        assert backend.batch_set_v1(keys, src) == [True, True]
+        wait_stored(backend, 2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        dst = alloc(pool, 2)
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_get_v1(keys, dst) == [False, False]
+        assert backend.batch_set_v1(keys_for(list(range(500, 516))), alloc(pool, 1)) == [False]
+        assert backend.batch_exists_v2(keys, []).kv_hit_pages == 0
+        proc, _ = sidecar(sockdir, "mimo_v2_flash")  # same socket, same file tier
+        deadline = time.monotonic() + 60
+        while backend.batch_exists(keys) != 2:  # the first answers are misses while it re-registers
+            assert time.monotonic() < deadline, "the adapter never found the restarted sidecar"
+            time.sleep(0.1)
+        assert backend.batch_get_v1(keys, dst) == [True, True]
+        assert [page_bytes(pool, p) for p in pages_of(dst)] == want
+        backend.close()
+    finally:
+        stop(proc)
+
+
+def test_a_geometry_mismatch_fails_start_up_naming_the_field(tmp_path: Path, sockdir: str) -> None:
+    proc, target = sidecar(sockdir, "mimo_v2_flash")
+    try:
+        pool = mha_host_pool(9, 4, 192, 192, layout="page_first")  # V sized with K's dim: the old bug
+        with pytest.raises(ValueError, match=r"v_head_dim \(engine 192, sidecar 128\)"):
+            create(storage_config("not-a-local-model", target, layout="page_first"), pool)
+        with pytest.raises(ValueError, match=r"v_head_dim \(SGLang 192, model config 128\)"):
+            create(storage_config(model_dir(tmp_path, "mimo_v2_flash"), target, layout="page_first"), pool)
+    finally:
+        stop(proc)
+
+
+def test_bad_target_layout_and_keys_fail_at_start_up(tmp_path: Path, sockdir: str) -> None:
+    name = model_dir(tmp_path, "mimo_v2_flash")
+    pool = mimo_full("page_first")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="is hicache-server running there"):
+        create(storage_config(name, f"unix://{sockdir}/nobody.sock", layout="page_first", timeout_s=1), pool)
+    assert time.monotonic() - t0 < 30  # it does not hang SGLang's start-up
+    with pytest.raises(ValueError, match=r"unknown hicache key\(s\) \['targt'\].*'target'"):
+        create(storage_config(name, "unix:///x", layout="page_first", targt="y"), pool)
+    head = mha_host_pool(2, 4, 128, 128, layout="page_head")
+    with pytest.raises(ValueError, match="--hicache-mem-layout one of"):
+        create(storage_config(name, "unix:///x", layout="page_head"), head)
+
+
+def test_flat_page_methods_on_k_ne_v_are_misses_not_errors(tmp_path: Path, sockdir: str) -> None:
+    proc, target = sidecar(sockdir, "mimo_v2_flash")
+    try:
+        pool = mimo_full("page_first")
+        backend = create(storage_config(model_dir(tmp_path, "mimo_v2_flash"), target, layout="page_first"), pool)
+        keys = keys_for(list(range(16)))
+        assert backend.batch_get(keys) == [None] and backend.get(keys[0]) is None
+        assert backend.batch_set(keys, [torch.zeros(4)]) is False and backend.set(keys[0], torch.zeros(4)) is False
+        assert backend.batch_set_v1(["not-hex"], alloc(pool, 1)) == [False]
+        assert backend.batch_get_v1(keys, torch.arange(5)) == [False]  # slots that are not whole pages
+        backend.close()
+    finally:
+        stop(proc)
