@@ -101,10 +101,12 @@ def keys(n: int, seed: int = 0, namespace: str = "") -> list[bytes]:
 def start_sidecar(
     sockdir: str, *extra: str, config: Path = CONFIG_PATH, page_size: int = PAGE_SIZE
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """`python -m server` on sockdir/hc.sock with the model `config`, the file tier in sockdir/tier."""
+    """`python -m server` on sockdir/hc.sock with the model `config` and, unless `extra` names
+    a storage backend, the file tier in sockdir/tier."""
     sock = os.path.join(sockdir, "hc.sock")
     args = ["--socket", sock, "--model-config", str(config), "--page-size", str(page_size)]
-    args += ["--hicache-storage-backend-extra-config", json.dumps({"dir": os.path.join(sockdir, "tier")})]
+    if "--hicache-storage-backend" not in extra:  # the default backend: the file tier
+        args += ["--hicache-storage-backend-extra-config", json.dumps({"dir": os.path.join(sockdir, "tier")})]
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", *args, "--kv-cache-dtype", "bfloat16", "--log-level", "WARNING", *extra],
         cwd=ROOT,
