@@ -7,8 +7,10 @@
 SGLang's real host pool (MiMo-V2-Flash full group, K 192 / V 128, the asymmetric pool SGLang
 uses for K != V) over CPU memory, its real factory and keys; hicache-server as its own process
 on a Unix socket, host memory only (--storage none, the default) or with the file tier.
-Path: SGLang host pages -> the adapter's staging pool (a copy in this process) -> the sidecar's
-host pool (the sidecar's copy), and back. Figures:
+Paths: --allocator shm (SGLang's "allocator": "shm", memfds): the sidecar maps SGLang's pool
+and copies straight between it and its host pool ("direct"); --allocator default: SGLang host
+pages -> the adapter's staging pool (a copy in this process) -> the sidecar's host pool, and
+back ("staging"). Figures:
   set_gbps / get_gbps   page bytes / wall time of one batch_set_v1 / batch_get_v1 (RPC included)
   memcpy_gbps           one contiguous copy_ of the same number of bytes
   set_ratio, get_ratio  the two above over memcpy_gbps (median of per-round ratios)
@@ -46,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout", default="page_first", choices=["page_first", "page_first_direct"])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--storage", default="none", choices=["none", "file"])
+    p.add_argument(
+        "--allocator",
+        default="shm",
+        choices=["shm", "default"],
+        help="shm: SGLang's memfd host pool (direct copies); default: staging",
+    )
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -63,10 +71,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         n = args.pages
         pool = sglang_env.mha_host_pool(
-            g.layer_num, g.head_num, g.head_dim, g.v_head_dim, layout=args.layout, pages=2 * n, page=args.page_size
+            g.layer_num,
+            g.head_num,
+            g.head_dim,
+            g.v_head_dim,
+            layout=args.layout,
+            pages=2 * n,
+            page=args.page_size,
+            allocator=args.allocator,
         )
         cfg = sglang_env.storage_config(
-            sglang_env.model_dir(tmp, "mimo_v2_flash"), target, layout=args.layout, staging_pages=n, timeout_s=60
+            sglang_env.model_dir(tmp, "mimo_v2_flash"),
+            target,
+            layout=args.layout,
+            staging_pages=n,
+            timeout_s=60,
+            allocator=args.allocator,
         )
         backend = sglang_env.create(cfg, pool)
         sglang_env.fill(pool, seed=1)
@@ -102,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         med = {k: statistics.median(row[k] for row in rows) for k in ("memcpy", "set", "get")}
         out = {
-            "path": "staging",
+            "path": "direct" if backend.links["kv"].direct else "staging",
             "layout": args.layout,
             "storage": args.storage,
             "pages": n,

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from hicache.memory import fd_socket_path, serve_fds
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.sidecar.service import HiCacheService
 
@@ -54,6 +55,7 @@ class HiCacheServer:
         self.monitor = monitor
         self.metrics = metrics
         self.metrics_port = metrics_port  # the bound port of /metrics, when served
+        self.fd_listener: socket.socket | None = None  # engines' fds (memfd pools), beside the socket
         self._stopped = threading.Event()
         interval = config.reap_interval_s or min(1.0, config.service.lease_timeout_s / 4)
         self._reaper = threading.Thread(target=self._reap, args=(interval,), name="hicache-reaper", daemon=True)
@@ -77,6 +79,11 @@ class HiCacheServer:
         if self.metrics is not None:
             self.metrics.stop()
         self._reaper.join()
+        if self.fd_listener is not None:
+            self.fd_listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(fd_socket_path(self.config.socket))
+        self.service.fds.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.config.socket)
 
@@ -189,6 +196,10 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
             raise ValueError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc}") from None
     log.info("hicache sidecar listening on %s", ", ".join(addresses))
     hs = HiCacheServer(config, server, service, addresses, monitor=monitor, metrics=metrics, metrics_port=metrics_port)
+    try:
+        hs.fd_listener = serve_fds(fd_socket_path(config.socket), service.fds)
+    except OSError as exc:  # engines that share memory by name still work
+        log.warning("cannot take engines' fds on %s: %s", fd_socket_path(config.socket), exc)
     return hs, address
 
 

@@ -74,6 +74,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             cuda_device=request.device_memory.cuda_device,
             tp_rank=request.tp_rank,
             tp_size=request.tp_size or 1,
+            device_layout=request.device_layout,
         )
         if isinstance(info, NoSpace):
             raise Exhausted(info.reason)

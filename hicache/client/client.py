@@ -31,7 +31,9 @@ from hicache.api import EvictResult, KeyStatus, LookupResult, OpEvent, PoolStats
 from hicache.client.connection import Connection
 from hicache.client.handles import HiCacheRpcError, ReloadHandle
 from hicache.client.tls import ClientTls
+from hicache.geometry import KVGeometry
 from hicache.keys import HashName, page_keys
+from hicache.memory import MemoryHandle, send_fds
 from hicache.pools import DeviceKVPool
 from hicache.rpc import convert
 from hicache.rpc.generated import hicache_pb2 as pb
@@ -112,22 +114,55 @@ class HiCacheClient:
         shareable: a CPU pool in shared memory or a CUDA pool exported with CUDA IPC. With
         tensor parallelism each rank registers its own pool with its tp_rank: ranks hold
         different KV heads under the same page keys, so their stored pages are kept apart."""
+        return self.register_memory(
+            device_pool.geometry,
+            device_pool.num_pages,
+            device_pool.handle,
+            namespace=namespace,
+            model_id=model_id,
+            group=group,
+            key_hash=key_hash,
+            cuda_device=cuda_device,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+
+    def register_memory(
+        self,
+        geometry: KVGeometry,
+        num_pages: int,
+        memory: MemoryHandle,
+        *,
+        device_layout: str = "",
+        namespace: str = "",
+        model_id: str = "",
+        group: str = "full",
+        key_hash: HashName = "sha256",
+        cuda_device: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> RegisteredPool:
+        """register() for memory the engine lays out itself: num_pages pages of `geometry` in
+        `memory` (shm by name, or kind "fd" with the ids send_fds returned), laid out as
+        `device_layout` (an EngineLayout name, e.g. "sglang_page_first"; "" is hicache's
+        layer_first). The sidecar then copies straight from and to the engine's pages."""
         if not isinstance(namespace, str):
             raise ValueError(f"namespace must be a str, got {type(namespace).__name__}")
-        g = device_pool.geometry
         request = pb.RegisterPoolRequest(
             request_id=self._rid(),
             group=group,
-            geometry=convert.geometry_to_pb(g),
-            device_pages=device_pool.num_pages,
-            device_memory=convert.memory_to_pb(device_pool.handle, cuda_device),
+            geometry=convert.geometry_to_pb(geometry),
+            device_pages=num_pages,
+            device_memory=convert.memory_to_pb(memory, cuda_device),
             namespace=namespace,
             model_id=model_id,
             key_hash=key_hash,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            device_layout=device_layout,
         )
         r = self._call(self._stub.RegisterPool, request, wait=True)
+        g = geometry
         info = RegisteredPool(
             r.pool_id,
             group,
@@ -145,6 +180,13 @@ class HiCacheClient:
         self._default = info.pool_id
         self._conn.keep_alive(lambda: list(self._pools), info.lease_timeout_s)
         return info
+
+    def send_fds(self, fds: Sequence[int]) -> list[str]:
+        """Hand memfd/shm fds to the sidecar (Unix socket targets only, same uid); returns the
+        ids for a MemoryHandle("fd", nbytes, name=",".join(ids)). Raises ValueError or OSError."""
+        if not self.target.startswith("unix://"):
+            raise ValueError(f"fds can be sent only to a sidecar on a Unix socket, not {self.target!r}")
+        return send_fds(self.target.removeprefix("unix://"), fds, timeout=self.timeout)
 
     def unregister(self, pool: str | None = None, *, retry: bool = True) -> None:
         info = self._pool(pool)

@@ -5,6 +5,7 @@
 - CUDA device memory: one cudaMalloc per pool through cupy, exportable with CUDA IPC
   (handle + offset from the allocation base).
 - CUDA host memory: the shared-memory mapping is page-locked with cudaHostRegister.
+- Engine memory without a name (memfd): sent as fds over a Unix socket (fd.py).
 
 Everything else sees `SharedBuffer.tensor`, a flat uint8 tensor.
 """
@@ -19,11 +20,13 @@ from hicache.memory.cuda import (
     open_cuda_ipc,
     pin_host,
 )
+from hicache.memory.fd import FdStore, fd_socket_path, map_fds, segment_offsets, send_fds, serve_fds
 from hicache.memory.shm import SHM_PREFIX, create_shm, open_shm, shm_dir
 
 __all__ = [
     "SHM_PREFIX",
     "CudaIpcOpens",
+    "FdStore",
     "MemoryHandle",
     "RefCountedOpens",
     "SharedBuffer",
@@ -32,10 +35,15 @@ __all__ = [
     "create_shm",
     "cuda_available",
     "cuda_device_count",
+    "fd_socket_path",
     "local_buffer",
+    "map_fds",
     "open_cuda_ipc",
     "open_shm",
     "pin_host",
+    "segment_offsets",
+    "send_fds",
+    "serve_fds",
     "shm_dir",
     "wrap_tensor",
 ]

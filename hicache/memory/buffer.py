@@ -11,7 +11,7 @@ import torch
 
 from hicache.validate import is_int
 
-ShmKind = Literal["shm", "cuda_ipc", "local"]
+ShmKind = Literal["shm", "cuda_ipc", "local", "fd"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class MemoryHandle:
 
     kind: ShmKind
     nbytes: int
-    name: str = ""  # shm segment name
+    name: str = ""  # shm segment name; for "fd", the comma-separated ids of the sent fds
     ipc_handle: bytes = b""  # cudaIpcMemHandle_t bytes
     offset: int = 0  # bytes from the allocation base
 

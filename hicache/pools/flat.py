@@ -28,7 +28,8 @@ class FlatPool:
 
     @property
     def nbytes(self) -> int:
-        """Exactly num_pages * geometry.page_bytes."""
+        """The layout's bytes: num_pages * geometry.page_bytes, except for an engine's own
+        layout with gaps between its regions (EngineLayout)."""
         return self.memory.nbytes
 
     @property
@@ -80,7 +81,7 @@ class FlatPool:
     def check_integrity(self) -> None:
         """Assert that the memory, the layout and the geometry agree."""
         g = self.geometry
-        assert self.nbytes == self.num_pages * g.page_bytes, (self.nbytes, self.num_pages, g.page_bytes)
+        assert self.nbytes == self.layout.nbytes >= self.num_pages * g.page_bytes, (self.nbytes, self.layout.nbytes)
         assert self.flat.numel() == self.nbytes and self.flat.dtype == torch.uint8
         assert not self.memory.closed, "pool memory is closed"
         spans = []

@@ -13,6 +13,8 @@ reads these strides; none probes tensor shapes.
 - page_first:         [page][token][layer][buffer row]   (a page is contiguous, token-major)
 - page_first_direct:  [page][layer][buffer][token][row]  (a page is contiguous, and each
                       (page, layer) chunk too; this is also the canonical flat page format)
+- EngineLayout:       an engine's own layout (SGLang's host pools), for copies straight
+                      from and to the engine's memory
 """
 
 from __future__ import annotations
@@ -108,6 +110,67 @@ class PageFirstDirect(Layout):
             token_stride=buffer.row_bytes,
             row_bytes=buffer.row_bytes,
         )
+
+
+class EngineLayout(Layout):
+    """An engine's own pool layout, one region per buffer (K, V, or the MLA latent), each
+    holding that buffer's rows of every page and layer in one of three orders (SGLang's
+    host pools, with S = num_pages * page_size slots and L layers):
+
+    - sglang_layer_first:        [L][S][row]
+    - sglang_page_first:         [S][L][row]        (token-major)
+    - sglang_page_first_direct:  [pages][L][P][row]
+
+    Region b starts at bases[b]; by default the regions lie back to back (SGLang's one
+    kv_buffer), and two memfds mapped one after the other give explicit bases. `extent`: the
+    bytes of the memory (at least the regions' end; mappings round up to whole pages).
+    Raises ValueError for an unknown order, scale buffers, or bases that overlap.
+    """
+
+    ORDERS = ("sglang_layer_first", "sglang_page_first", "sglang_page_first_direct")
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        num_pages: int,
+        name: str,
+        bases: tuple[int, ...] | None = None,
+        extent: int | None = None,
+    ):
+        if name not in self.ORDERS:
+            raise ValueError(f"unknown engine layout {name!r}; expected one of {list(self.ORDERS)}")
+        if any(b.name.endswith("_scale") for b in geometry.buffers):
+            raise ValueError(f"engine layout {name!r} holds no scale buffers (fp4); got {geometry.dtype}")
+        self.name = name
+        sizes = [geometry.layer_num * num_pages * geometry.page_size * b.row_bytes for b in geometry.buffers]
+        if bases is None:
+            bases = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        if (
+            len(bases) != len(sizes)
+            or any(bases[i] + sizes[i] > bases[i + 1] for i in range(len(sizes) - 1))
+            or any(b < 0 for b in bases)
+        ):
+            raise ValueError(
+                f"engine layout {name!r}: regions of {sizes} bytes ({num_pages} pages) do not fit at offsets {bases}"
+            )
+        end = bases[-1] + sizes[-1]
+        if extent is not None and extent < end:
+            raise ValueError(f"engine layout {name!r} needs {end} bytes, the memory holds {extent}")
+        self.bases, self.sizes, self.extent = bases, sizes, end if extent is None else extent
+        super().__init__(geometry, num_pages)
+
+    @property
+    def nbytes(self) -> int:
+        return self.extent
+
+    def _strides(self, index: int, buffer: BufferSpec) -> ChunkStrides:
+        g, row = self.geometry, buffer.row_bytes
+        slots, base = self.num_pages * g.page_size, self.bases[index]
+        if self.name == "sglang_layer_first":
+            return ChunkStrides(base, g.page_size * row, slots * row, row, row)
+        if self.name == "sglang_page_first":
+            return ChunkStrides(base, g.page_size * g.layer_num * row, row, g.layer_num * row, row)
+        return ChunkStrides(base, g.layer_num * g.page_size * row, g.page_size * row, row, row)
 
 
 _BY_NAME: dict[str, type[Layout]] = {c.name: c for c in (LayerFirst, PageFirst, PageFirstDirect)}

@@ -56,8 +56,8 @@ def memory_to_pb(h: MemoryHandle, cuda_device: int = 0) -> pb.MemoryHandle:
 
 
 def memory_from_pb(msg: pb.MemoryHandle) -> MemoryHandle:
-    if msg.kind not in ("shm", "cuda_ipc"):
-        raise ValueError(f"device memory kind must be 'shm' or 'cuda_ipc', got {msg.kind!r}")
+    if msg.kind not in ("shm", "cuda_ipc", "fd"):
+        raise ValueError(f"device memory kind must be 'shm', 'cuda_ipc' or 'fd', got {msg.kind!r}")
     return MemoryHandle(msg.kind, msg.nbytes, name=msg.shm_name, ipc_handle=msg.cuda_ipc_handle, offset=msg.offset)  # type: ignore[arg-type]
 
 

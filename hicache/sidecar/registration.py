@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 from hicache.geometry import KVGeometry
 from hicache.keys import KEY_BYTES
-from hicache.memory import CudaIpcOpens, MemoryHandle, cuda_available, cuda_device_count
+from hicache.memory import CudaIpcOpens, FdStore, MemoryHandle, cuda_available, cuda_device_count, map_fds, open_shm
 from hicache.pools import DeviceKVPool
+from hicache.pools.layouts import EngineLayout
+from hicache.pools.mapped import MappedKVPool
 from hicache.validate import is_int
 
 
@@ -37,6 +39,7 @@ class PoolRequest:
     cuda_device: int = 0
     tp_rank: int = 0
     tp_size: int = 1
+    device_layout: str = ""  # "" (hicache's layer_first) or an EngineLayout name
 
     def check(self, expected: dict[str, KVGeometry] | None, storage_backend: str) -> None:
         """Raises ValueError naming the first bad value; nothing is mapped or allocated yet."""
@@ -58,6 +61,18 @@ class PoolRequest:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
         if not is_int(tp_rank) or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
+        if self.device_layout:
+            if self.device_layout not in EngineLayout.ORDERS:
+                raise ValueError(
+                    f"unknown device layout {self.device_layout!r}; expected '' or one of {list(EngineLayout.ORDERS)}"
+                )
+            if self.device_memory.kind not in ("fd", "shm"):
+                raise ValueError(
+                    f"device layout {self.device_layout!r} needs CPU memory (fd or shm), got {self.device_memory.kind!r}"
+                )
+            return  # its size is checked against the memory when mapped
+        if self.device_memory.kind == "fd":
+            raise ValueError("device memory of kind 'fd' needs a device_layout")
         need = self.geometry.pool_bytes(self.device_pages)
         if self.device_memory.nbytes != need:
             raise ValueError(
@@ -86,6 +101,32 @@ def check_geometry(expected: dict[str, KVGeometry] | None, group: str, geometry:
         mine, theirs = want.to_dict(), geometry.to_dict()
         detail = ", ".join(f"{f} (engine {theirs[f]!r}, sidecar {mine[f]!r})" for f in fields)
         raise ValueError(f"geometry of group {group!r} differs from the sidecar's model config: {detail}")
+
+
+def map_engine_layout(
+    geometry: KVGeometry, pages: int, memory: MemoryHandle, layout: str, fds: FdStore
+) -> MappedKVPool:
+    """Map an engine's memory in its own layout: fds it sent (one segment, or one per buffer:
+    SGLang's K and V memfds) or shared memory by name. Raises ValueError for unknown fd ids,
+    a missing segment, or memory too small for the layout."""
+    if memory.kind == "fd":
+        buf, offsets = map_fds(fds.take(memory.name.split(",")), memory)
+        if len(offsets) not in (1, len(geometry.buffers)):
+            buf.close()
+            raise ValueError(
+                f"{len(offsets)} fd segments for {len(geometry.buffers)} buffers: send one, or one per buffer"
+            )
+        bases = tuple(offsets) if len(offsets) > 1 else None
+    else:
+        try:
+            buf, bases = open_shm(memory.name, memory.nbytes), None
+        except FileNotFoundError:
+            raise ValueError(f"device memory shm {memory.name!r} does not exist") from None
+    try:
+        return MappedKVPool(geometry, EngineLayout(geometry, pages, layout, bases, extent=buf.nbytes), buf)
+    except BaseException:
+        buf.close()
+        raise
 
 
 def map_device(

@@ -11,8 +11,6 @@ Errors follow hicache.sidecar.errors: ValueError / UnknownId (a KeyError) / Stat
 
 from __future__ import annotations
 
-import contextlib
-import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,24 +27,28 @@ from hicache.api import (
 )
 from hicache.cache.prefetch import PrefetchHandle
 from hicache.geometry import KVGeometry
-from hicache.keys import KEY_BYTES
-from hicache.memory import CudaIpcOpens, MemoryHandle, shm_dir
-from hicache.pools import HostKVPool
-from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
+from hicache.memory import CudaIpcOpens, FdStore, MemoryHandle, shm_dir
+from hicache.sidecar.config import ServiceConfig
 from hicache.sidecar.errors import NoSpace, StateError
 from hicache.sidecar.health import degraded_but_serving, storage_health
 from hicache.sidecar.operations import Operation, operation_events
 from hicache.sidecar.pool import RegisteredPool
+from hicache.sidecar.pool_factory import build_pool
 from hicache.sidecar.pool_table import PoolTable
-from hicache.sidecar.registration import PoolIdentity, PoolRequest, check_geometry, map_device
+from hicache.sidecar.registration import PoolRequest, check_geometry
 from hicache.sidecar.request_cache import RequestCache, fingerprint
 
 
 class HiCacheService:
     """Thread-safe. Call close() to release every pool (the server does on SIGTERM)."""
 
-    def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic, fds: FdStore | None = None
+    ):
+        """`fds`: where fds that engines sent wait for their registration (the server's fd
+        socket fills it); one of its own by default."""
         self.config = config
+        self.fds = fds if fds is not None else FdStore()
         self._clock = clock
         self._pools = PoolTable(config.lease_timeout_s, config.max_pools, clock)
         self._requests = RequestCache(config.request_cache_size)
@@ -67,15 +69,28 @@ class HiCacheService:
         cuda_device: int = 0,
         tp_rank: int = 0,
         tp_size: int = 1,
+        device_layout: str = "",
     ) -> PoolInfo | NoSpace:
         """Validate the geometry, map the device memory, create the host pool and its tier.
 
         Raises ValueError naming each geometry field that differs from the expected one, or
-        a bad page count, memory handle, key hash, model id or TP rank. Returns NoSpace when
+        a bad page count, memory handle, key hash, model id or TP rank. device_layout: "" for
+        hicache's device pool, or the engine's own layout (EngineLayout) of memory it shares
+        (fds it sent, or shm), which the sidecar then copies from directly. Returns NoSpace when
         the pool limit is reached or the host memory does not fit.
         """
         req = PoolRequest(
-            geometry, device_pages, device_memory, group, namespace, model_id, key_hash, cuda_device, tp_rank, tp_size
+            geometry,
+            device_pages,
+            device_memory,
+            group,
+            namespace,
+            model_id,
+            key_hash,
+            cuda_device,
+            tp_rank,
+            tp_size,
+            device_layout,
         )
         return self._requests.run(("register", ""), request_id, fingerprint(repr(req)), lambda: self._register(req))
 
@@ -92,7 +107,7 @@ class HiCacheService:
         free = shutil.disk_usage(shm_dir()).free
         if host_bytes > free:
             return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
-        pool = self._build_pool(req, host_pages)
+        pool = build_pool(req, host_pages, self.config, self._ipc, self.fds)
         refusal = self._pools.add(pool)
         if refusal:
             pool.close()
@@ -115,37 +130,6 @@ class HiCacheService:
         if self._pools.closed:
             raise StateError(why)
         return NoSpace(why)
-
-    def _build_pool(self, req: PoolRequest, host_pages: int) -> RegisteredPool:
-        """Map the device memory, create the host pool, its storage tier and cache; on any
-        failure, release what was made so far and re-raise."""
-        with contextlib.ExitStack() as undo:
-            device = map_device(req.geometry, req.device_pages, req.device_memory, req.cuda_device, self._ipc)
-            undo.callback(device.close)
-            host = HostKVPool(req.geometry, host_pages, self.config.host_layout)
-            undo.callback(host.close)
-            tier = self.config.hierarchy.make_tier(req.geometry, req.stored_model_id, req.namespace)
-            undo.callback(tier.close)
-            cache = self.config.hierarchy.build(host, tier)
-            undo.callback(cache.close)
-            identity = PoolIdentity(
-                "pool-" + secrets.token_hex(8),
-                req.group,
-                req.namespace,
-                req.model_id,
-                req.key_hash,
-                KEY_BYTES[req.key_hash],
-            )
-            pool = RegisteredPool(
-                identity,
-                device,
-                cache,
-                max_batch=self.config.max_batch,
-                finished_ops_kept=self.config.finished_ops_kept,
-                io_backend=IO_BACKENDS[self.config.io_backend],
-            )
-            undo.pop_all()
-            return pool
 
     def check_geometry(self, group: str, geometry: KVGeometry) -> None:
         """Raises ValueError for a group the model lacks or a geometry other than expected."""

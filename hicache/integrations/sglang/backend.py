@@ -82,16 +82,31 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             "tp_rank": 0 if mla else cfg.tp_rank,
             "tp_size": 1 if mla else cfg.tp_size,
         }
+        fds = getattr(getattr(host_pool, "allocator", None), "fds", None)
+        can_direct = bool(fds) and self.client.target.startswith("unix://")
+        if opts.copy == "direct" and not can_direct:
+            raise ValueError(
+                'copy \'direct\' needs SGLang\'s host pool in shared memory ("allocator": "shm" in the extra config) '
+                f"and a sidecar on a Unix socket; target is {opts.target!r}"
+            )
+        direct = can_direct and opts.copy != "staging"
         try:
             link = PoolLink(
-                self.client, host_pool, geometry, group=group, staging_pages=opts.staging_pages, register_kw=register_kw
+                self.client,
+                host_pool,
+                geometry,
+                group=group,
+                staging_pages=opts.staging_pages,
+                register_kw=register_kw,
+                direct=direct,
             )
-        except HiCacheRpcError as exc:
-            down = exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+        except (HiCacheRpcError, OSError) as exc:
+            down = isinstance(exc, OSError) or exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
             fix = " (is hicache-server running there? check 'target' in the extra config)" if down else ""
             raise ValueError(f"hicache sidecar at {opts.target} refused SGLang's {name!r} pool: {exc}{fix}") from None
         self.links[name] = link
-        log.info("hicache: SGLang pool %r is sidecar pool %s (%s)", name, link.pool_id, geometry)
+        how = "direct (SGLang's memfds)" if direct else "through a staging pool"
+        log.info("hicache: SGLang pool %r is sidecar pool %s, %s (%s)", name, link.pool_id, how, geometry)
 
     # ---- the data path: never raises ---------------------------------------------------------
     def _say(self, what: str, message: str) -> None:

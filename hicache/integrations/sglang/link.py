@@ -1,9 +1,18 @@
 """One SGLang host pool linked to one sidecar pool: its geometry, its registration (redone
-after a sidecar restart), the staging pages, and the page moves of a batch."""
+after a sidecar restart), and the page moves of a batch.
+
+Two ways to move pages:
+- direct (zero-copy): SGLang's host pool lives in memfds ("allocator": "shm"); their fds go
+  to the sidecar, which maps the pool in SGLang's own layout and copies straight between it
+  and its host pool. Offload/Reload name SGLang's host page numbers.
+- staging: otherwise; pages go through a staging pool of hicache's layout in this process,
+  registered once (one copy more on each side).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +24,7 @@ from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.geometry import KVGeometry
 from hicache.integrations.sglang.pool_views import LayerViews, page_views
 from hicache.integrations.sglang.staging import StagingArea
+from hicache.memory import MemoryHandle, segment_offsets
 from hicache.pools import DeviceKVPool
 
 log = logging.getLogger("hicache.integrations.sglang")
@@ -46,23 +56,39 @@ class PoolLink:
         group: str,
         staging_pages: int,
         register_kw: dict[str, Any],
+        direct: bool,
     ):
         self.client, self.host_pool, self.geometry, self.group = client, host_pool, geometry, group
+        self.direct = direct
         self.views: LayerViews = page_views(host_pool)
-        self.staging = DeviceKVPool(geometry, 2 * staging_pages)
-        self.set_area = StagingArea(self.staging, 0, staging_pages)
-        self.get_area = StagingArea(self.staging, staging_pages, staging_pages)
+        self.staging: DeviceKVPool | None = None
+        if not direct:
+            self.staging = DeviceKVPool(geometry, 2 * staging_pages)
+            self.set_area = StagingArea(self.staging, 0, staging_pages)
+            self.get_area = StagingArea(self.staging, staging_pages, staging_pages)
         self._register_kw = {**register_kw, "group": group}
         self._lock = threading.Lock()
-        info = self.client.register(self.staging, **self._register_kw)
-        self.pool_id, self.host_pages = info.pool_id, info.host_pages
+        self.pool_id, self.host_pages = self._register()
+
+    def _register(self) -> tuple[str, int]:
+        if self.staging is not None:
+            info = self.client.register(self.staging, **self._register_kw)
+        else:  # SGLang's own memfds, in SGLang's own layout
+            fds = list(self.host_pool.allocator.fds)
+            _, total = segment_offsets([os.fstat(fd).st_size for fd in fds])
+            ids = self.client.send_fds(fds)
+            memory = MemoryHandle("fd", total, name=",".join(ids))
+            layout = "sglang_" + self.host_pool.layout
+            info = self.client.register_memory(
+                self.geometry, self.host_pool.page_num, memory, device_layout=layout, **self._register_kw
+            )
+        return info.pool_id, info.host_pages
 
     def relink(self, stale: str) -> None:
         """Register again after the sidecar forgot pool `stale` (it restarted)."""
         with self._lock:
             if self.pool_id == stale:
-                info = self.client.register(self.staging, **self._register_kw)
-                self.pool_id, self.host_pages = info.pool_id, info.host_pages
+                self.pool_id, self.host_pages = self._register()
                 log.warning("hicache sidecar lost pool %s (restarted?); registered again as %s", stale, self.pool_id)
 
     def call(self, fn: Any) -> Any:
@@ -85,8 +111,12 @@ class PoolLink:
     def get(self, keys: Sequence[bytes], pages: Sequence[int], views: LayerViews | None = None) -> list[bool]:
         """Reload keys into host pages `pages` (of `views`, default the pool); True for the
         loaded prefix. Stops at the first miss: later pages are of no use to SGLang."""
+        if self.direct and views is None:
+            got = self.call(lambda pid: self.client.reload(list(keys), list(pages), pool=pid))
+            n = next((i for i, s in enumerate(got.statuses) if s not in LOADED), len(keys))
+            return [True] * n + [False] * (len(keys) - n)
         out = [False] * len(keys)
-        area, views = self.get_area, views if views is not None else self.views
+        area, views = self._area("get"), views if views is not None else self.views
         for start in range(0, len(keys), area.size):
             ks, ps = list(keys[start : start + area.size]), list(pages[start : start + area.size])
             with area.lock:
@@ -100,8 +130,11 @@ class PoolLink:
 
     def set(self, keys: Sequence[bytes], pages: Sequence[int], views: LayerViews | None = None) -> list[bool]:
         """Offload host pages `pages` under keys; True where the sidecar holds the page now."""
+        if self.direct and views is None:
+            res = self.call(lambda pid: self.client.offload(list(keys), list(pages), pool=pid))
+            return [s in KEPT for s in res.statuses]
         out: list[bool] = []
-        area, views = self.set_area, views if views is not None else self.views
+        area, views = self._area("set"), views if views is not None else self.views
         for start in range(0, len(keys), area.size):
             ks, ps = list(keys[start : start + area.size]), list(pages[start : start + area.size])
             with area.lock:
@@ -110,5 +143,14 @@ class PoolLink:
             out += [s in KEPT for s in res.statuses]
         return out
 
+    def _area(self, direction: str) -> StagingArea:
+        """The staging area for `direction`. A direct link has none: SGLang's flat-page methods
+        (used without interface_v1) then answer misses."""
+        with self._lock:
+            if self.staging is None:
+                raise ValueError("flat pages need a staging pool; this link copies SGLang's pages directly")
+        return self.set_area if direction == "set" else self.get_area
+
     def close(self) -> None:
-        self.staging.close()
+        if self.staging is not None:
+            self.staging.close()

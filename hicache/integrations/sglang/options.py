@@ -34,7 +34,10 @@ class Options:
     namespace: the tenant. model_id: the stored pages' model identity (default SGLang's
     model_name). model_config: an HF config.json for the layer ids and a cross-check (default
     <model_name>/config.json when that exists). staging_pages: pages per copy batch (SGLang
-    sends 128). timeout_s: each call's deadline, and how long start-up waits for the sidecar."""
+    sends 128). timeout_s: each call's deadline, and how long start-up waits for the sidecar.
+    copy: "auto" (direct when SGLang's host pool is in memfds, "allocator": "shm", and the
+    sidecar is on a Unix socket; else staging), "direct" (refuse to start otherwise) or
+    "staging"."""
 
     target: str
     token: str | None = None
@@ -43,6 +46,7 @@ class Options:
     model_config: str | None = None
     staging_pages: int = 128
     timeout_s: float = 10.0
+    copy: str = "auto"
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> Options:
@@ -71,4 +75,6 @@ class Options:
             value = mine.get(key, 1.0)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"extra config {key!r} must be a number > 0, got {value!r}")
+        if mine.get("copy", "auto") not in ("auto", "direct", "staging"):
+            raise ValueError(f"extra config 'copy' must be 'auto', 'direct' or 'staging', got {mine['copy']!r}")
         return cls(**mine)

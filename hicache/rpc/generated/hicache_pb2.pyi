@@ -94,7 +94,7 @@ class MemoryHandle(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., cuda_device: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("request_id", "group", "geometry", "device_pages", "device_memory", "namespace", "model_id", "key_hash", "tp_rank", "tp_size")
+    __slots__ = ("request_id", "group", "geometry", "device_pages", "device_memory", "namespace", "model_id", "key_hash", "tp_rank", "tp_size", "device_layout")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class RegisterPoolRequest(_message.Message):
     KEY_HASH_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     group: str
     geometry: Geometry
@@ -115,7 +116,8 @@ class RegisterPoolRequest(_message.Message):
     key_hash: str
     tp_rank: int
     tp_size: int
-    def __init__(self, request_id: _Optional[str] = ..., group: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., device_memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., key_hash: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    device_layout: str
+    def __init__(self, request_id: _Optional[str] = ..., group: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., device_memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., key_hash: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., device_layout: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout_s")

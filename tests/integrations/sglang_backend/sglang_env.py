@@ -71,9 +71,18 @@ def storage_config(
 
 
 def mha_host_pool(
-    layers: int, heads: int, k_dim: int, v_dim: int, *, layout: str, pages: int = 8, page: int = 16
+    layers: int,
+    heads: int,
+    k_dim: int,
+    v_dim: int,
+    *,
+    layout: str,
+    pages: int = 8,
+    page: int = 16,
+    allocator: str = "default",
 ) -> Any:
-    """A real SGLang MHA host pool (get_mha_host_pool_cls picks the K != V class) on CPU."""
+    """A real SGLang MHA host pool (get_mha_host_pool_cls picks the K != V class) on CPU;
+    allocator "shm" puts it in memfds, as SGLang's "allocator": "shm" extra config does."""
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
@@ -96,14 +105,23 @@ def mha_host_pool(
     )
     cls = get_mha_host_pool_cls(info)
     pool = cls(
-        info, 2.0, 0, page, layout, pin_memory=False, device="cpu", allocator_type="default",
+        info, 2.0, 0, page, layout, pin_memory=False, device="cpu", allocator_type=allocator,
         device_capacity_tokens=dev_tokens, start_layer=0, end_layer=layers, host_token_capacity=pages * page,
     )  # fmt: skip
     pool._keep = (k, v)  # the device tensors the pointer tables name
     return pool
 
 
-def mla_host_pool(layers: int, *, layout: str, rank: int = 512, rope: int = 64, pages: int = 8, page: int = 16) -> Any:
+def mla_host_pool(
+    layers: int,
+    *,
+    layout: str,
+    rank: int = 512,
+    rope: int = 64,
+    pages: int = 8,
+    page: int = 16,
+    allocator: str = "default",
+) -> Any:
     import torch
     from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -116,7 +134,7 @@ def mla_host_pool(layers: int, *, layout: str, rank: int = 512, rope: int = 64, 
         qk_rope_head_dim=rope, kv_cache_dim=rank + rope, dtype=torch.bfloat16, device=torch.device("cpu"),
     )  # fmt: skip
     pool = MLATokenToKVPoolHost(
-        info, 2.0, 0, page, layout, pin_memory=False, device="cpu", allocator_type="default",
+        info, 2.0, 0, page, layout, pin_memory=False, device="cpu", allocator_type=allocator,
         device_capacity_tokens=dev_tokens, start_layer=0, end_layer=layers, target_layer_num=layers,
         host_token_capacity=pages * page,
     )  # fmt: skip

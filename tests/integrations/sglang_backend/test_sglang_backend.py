@@ -49,9 +49,11 @@ def stop(proc: Any) -> None:
     proc.wait(timeout=60)
 
 
-def mimo_full(layout: str, pages: int = 8) -> Any:
+def mimo_full(layout: str, pages: int = 8, allocator: str = "default") -> Any:
     g = MIMO["full"]
-    return mha_host_pool(g.layer_num, g.head_num, g.head_dim, g.v_head_dim, layout=layout, pages=pages)
+    return mha_host_pool(
+        g.layer_num, g.head_num, g.head_dim, g.v_head_dim, layout=layout, pages=pages, allocator=allocator
+    )
 
 
 def alloc(pool: Any, n_pages: int) -> torch.Tensor:
@@ -62,21 +64,24 @@ def pages_of(indices: torch.Tensor, page: int = 16) -> list[int]:
     return (indices[::page] // page).tolist()
 
 
+@pytest.mark.parametrize("allocator", ["default", "shm"], ids=["staging", "direct"])
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_mimo_k192_v128_set_evict_get_is_bit_exact(tmp_path: Path, sockdir: str, layout: str) -> None:
+def test_mimo_k192_v128_set_evict_get_is_bit_exact(tmp_path: Path, sockdir: str, layout: str, allocator: str) -> None:
     proc, target = sidecar(sockdir)
     try:
-        pool = mimo_full(layout)
+        pool = mimo_full(layout, allocator=allocator)
         assert type(pool).__name__ == "AsymmetricMHATokenToKVPoolHost"
-        backend = create(storage_config(model_dir(tmp_path, "mimo_v2_flash"), target, layout=layout), pool)
+        cfg = storage_config(model_dir(tmp_path, "mimo_v2_flash"), target, layout=layout, allocator=allocator)
+        backend = create(cfg, pool)
+        assert backend.links["kv"].direct == (allocator == "shm")
         fill(pool, seed=1)
         keys = keys_for(list(range(3 * 16)))
         src = alloc(pool, 3)
         before = [page_bytes(pool, p) for p in pages_of(src)]
         assert backend.batch_set_v1(keys, src) == [True] * 3
-        # the sidecar holds hicache's layout: every layer's K (192) and V (128) rows are SGLang's
+        # staging holds hicache's layout: every layer's K (192) and V (128) rows are SGLang's
         staging = backend.links["kv"].staging
-        for layer in range(pool.layer_num):
+        for layer in range(pool.layer_num if staging is not None else 0):
             for i, p in enumerate(pages_of(src)):
                 k, v = sglang_rows(pool, layer, p)
                 assert torch.equal(staging.k_buffer(layer)[i * 16 : (i + 1) * 16], k)
@@ -134,6 +139,32 @@ def test_llama_every_layout_and_flat_pages(tmp_path: Path, sockdir: str, layout:
         got = backend.batch_get(flat_keys, [pool.get_dummy_flat_data_page()])
         assert torch.equal(got[0], flat) and backend.exists(flat_keys[0])
         backend.close()
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_direct_and_staging_copies_agree_through_storage(tmp_path: Path, sockdir: str, layout: str) -> None:
+    """SGLang's memfd pool copied by the sidecar itself and a plain pool copied through the
+    staging pool (whose mapping the test above checks row by row) store the same pages."""
+    proc, target = sidecar(sockdir)
+    try:
+        name = model_dir(tmp_path, "mimo_v2_flash")
+        direct, staged = mimo_full(layout, allocator="shm"), mimo_full(layout)
+        bd = create(storage_config(name, target, layout=layout, allocator="shm"), direct)
+        bs = create(storage_config(name, target, layout=layout), staged)
+        assert bd.links["kv"].direct and not bs.links["kv"].direct
+        for writer, reader, wpool, rpool, seed in ((bd, bs, direct, staged, 50), (bs, bd, staged, direct, 51)):
+            fill(wpool, seed)
+            keys = keys_for(list(range(seed * 1000, seed * 1000 + 2 * 16)))
+            src = alloc(wpool, 2)
+            assert writer.batch_set_v1(keys, src) == [True, True]
+            wait_stored(writer, 2)
+            dst = alloc(rpool, 2)  # the reader's own sidecar pool: the pages come from the file tier
+            assert reader.batch_get_v1(keys, dst) == [True, True]
+            assert [page_bytes(rpool, p) for p in pages_of(dst)] == [page_bytes(wpool, p) for p in pages_of(src)]
+        bd.close()
+        bs.close()
     finally:
         stop(proc)
 

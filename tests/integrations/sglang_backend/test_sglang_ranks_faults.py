@@ -143,13 +143,17 @@ def test_hybrid_full_and_swa_pools_through_v2(tmp_path: Path, sockdir: str) -> N
         stop(proc)
 
 
-def test_sidecar_down_then_restarted_gives_misses_never_exceptions(tmp_path: Path, sockdir: str) -> None:
+@pytest.mark.parametrize("allocator", ["default", "shm"], ids=["staging", "direct"])
+def test_sidecar_down_then_restarted_gives_misses_never_exceptions(
+    tmp_path: Path, sockdir: str, allocator: str
+) -> None:
     proc, target = sidecar(sockdir, "mimo_v2_flash")
     try:
-        pool = mimo_full("page_first_direct")
-        backend = create(
-            storage_config(model_dir(tmp_path, "mimo_v2_flash"), target, layout="page_first_direct", timeout_s=2), pool
+        pool = mimo_full("page_first_direct", allocator=allocator)
+        cfg = storage_config(
+            model_dir(tmp_path, "mimo_v2_flash"), target, layout="page_first_direct", timeout_s=2, allocator=allocator
         )
+        backend = create(cfg, pool)
         fill(pool, seed=40)
         keys = keys_for(list(range(2 * 16)))
         src = alloc(pool, 2)
@@ -199,6 +203,8 @@ def test_bad_target_layout_and_keys_fail_at_start_up(tmp_path: Path, sockdir: st
     head = mha_host_pool(2, 4, 128, 128, layout="page_head")
     with pytest.raises(ValueError, match="--hicache-mem-layout one of"):
         create(storage_config(name, "unix:///x", layout="page_head"), head)
+    with pytest.raises(ValueError, match="copy .direct. needs SGLang.s host pool in shared memory"):
+        create(storage_config(name, "unix:///x", layout="page_first", copy="direct"), pool)
 
 
 def test_flat_page_methods_on_k_ne_v_are_misses_not_errors(tmp_path: Path, sockdir: str) -> None:

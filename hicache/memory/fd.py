@@ -1,0 +1,207 @@
+"""Memory an engine shares by file descriptor (memfd segments, which have no /dev/shm name):
+the engine sends the fds over a Unix socket beside the sidecar's (SCM_RIGHTS), the sidecar
+keeps them under random ids, and a registration names the ids. Several segments (SGLang's
+K and V buffers are two memfds) map back to back into one flat buffer, each at an offset
+rounded up to the mmap granularity (segment_offsets).
+
+Only a peer of the sidecar's own uid may send fds (SO_PEERCRED); an id not claimed within
+`ttl_s` is closed.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import json
+import mmap
+import os
+import secrets
+import socket
+import stat
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from hicache.memory.buffer import MemoryHandle, SharedBuffer
+
+MAX_FDS = 16
+_MAGIC = b"HCFD1"
+
+
+def fd_socket_path(sidecar_socket: str) -> str:
+    """Where a sidecar listening on `sidecar_socket` takes fds."""
+    return sidecar_socket + ".fd"
+
+
+def segment_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where each segment of `sizes` bytes starts when mapped back to back, and the total."""
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    return offsets, at
+
+
+def fd_sizes(fds: Sequence[int]) -> list[int]:
+    """Each fd's size; ValueError unless every one is a regular file (memfd, shm) of > 0 bytes."""
+    sizes = []
+    for fd in fds:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:
+            raise ValueError(f"fd {fd} is not a non-empty regular file (memfd or shared memory)")
+        sizes.append(st.st_size)
+    return sizes
+
+
+def send_fds(sidecar_socket: str, fds: Sequence[int], timeout: float = 10.0) -> list[str]:
+    """Hand `fds` to the sidecar on `sidecar_socket`; returns their ids for a MemoryHandle of
+    kind "fd". Waits up to `timeout` s for a sidecar that is starting. Raises OSError when
+    the sidecar does not take them."""
+    if not 1 <= len(fds) <= MAX_FDS:
+        raise ValueError(f"send 1 to {MAX_FDS} fds, got {len(fds)}")
+    fd_sizes(fds)
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        while True:
+            try:
+                s.connect(fd_socket_path(sidecar_socket))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        s.sendmsg([_MAGIC], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        reply = s.makefile("rb").readline()
+    answer = json.loads(reply or b"{}")
+    if "ids" not in answer:
+        raise OSError(f"the sidecar refused the fds: {answer.get('error', 'no answer')}")
+    return list(answer["ids"])
+
+
+class FdStore:
+    """Fds received from engines, by id, until a registration claims them. Thread-safe."""
+
+    def __init__(self, ttl_s: float = 120.0):
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._fds: dict[str, tuple[int, float]] = {}
+
+    def add(self, fd: int) -> str:
+        fid = "fd-" + secrets.token_hex(12)
+        with self._lock:
+            self._expire_locked()
+            self._fds[fid] = (fd, time.monotonic() + self.ttl_s)
+        return fid
+
+    def take(self, ids: Sequence[str]) -> list[int]:
+        """The fds of `ids`, now the caller's to close. ValueError, taking none, for an id
+        that is unknown or expired."""
+        with self._lock:
+            self._expire_locked()
+            missing = [i for i in ids if i not in self._fds]
+            if missing or not ids:
+                raise ValueError(f"unknown or expired fd id(s) {missing or list(ids)}: send the fds again")
+            return [self._fds.pop(i)[0] for i in ids]
+
+    def _expire_locked(self) -> None:
+        now = time.monotonic()
+        for fid in [f for f, (_, deadline) in self._fds.items() if deadline < now]:
+            os.close(self._fds.pop(fid)[0])
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def serve_fds(path: str, store: FdStore) -> socket.socket:
+    """Listen on `path` (mode 0600) for engines' fds; a daemon thread answers each connection
+    with the ids of the fds it sent. Close the returned socket to stop."""
+    if os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(16)
+
+    def loop() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                conn.settimeout(5.0)
+                try:
+                    _answer(conn, store)
+                except OSError:
+                    pass
+
+    threading.Thread(target=loop, name="hicache-fd-listener", daemon=True).start()
+    return listener
+
+
+def _answer(conn: socket.socket, store: FdStore) -> None:
+    uid = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    peer_uid = int.from_bytes(uid[4:8], "little")
+    msg, anc, _, _ = conn.recvmsg(len(_MAGIC), socket.CMSG_SPACE(MAX_FDS * 4))
+    fds = array.array("i")
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % 4])
+    try:
+        if peer_uid != os.getuid():
+            raise ValueError(f"peer uid {peer_uid} is not the sidecar's uid {os.getuid()}")
+        if msg != _MAGIC or not fds:
+            raise ValueError("expected the hicache fd message with at least one fd")
+        fd_sizes(fds)
+    except (ValueError, OSError) as exc:
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(json.dumps({"error": str(exc)}).encode() + b"\n")
+        return
+    conn.sendall(json.dumps({"ids": [store.add(fd) for fd in fds]}).encode() + b"\n")
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10
+_PROT_NONE = 0
+
+
+def map_fds(fds: Sequence[int], handle: MemoryHandle) -> tuple[SharedBuffer, list[int]]:
+    """Map `fds` back to back as one flat buffer, and where each segment starts in it
+    (segment_offsets); takes ownership of the fds. Raises ValueError if their sizes do not add
+    up to handle.nbytes."""
+    try:
+        sizes = fd_sizes(fds)
+        _, total = segment_offsets(sizes)
+        if total != handle.nbytes:
+            raise ValueError(f"fd segments of {sizes} bytes map to {total} bytes, the handle says {handle.nbytes}")
+        base = _libc.mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if base in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), "mmap reserve failed")
+        offsets, _ = segment_offsets(sizes)
+        for fd, off, size in zip(fds, offsets, sizes, strict=True):
+            got = _libc.mmap(base + off, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+            if got != base + off:
+                _libc.munmap(base, total)
+                raise OSError(ctypes.get_errno(), "mmap of an fd segment failed")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    for fd in fds:
+        os.close(fd)  # the mappings stay
+    tensor = torch.frombuffer((ctypes.c_uint8 * total).from_address(base), dtype=torch.uint8)
+    return SharedBuffer(tensor, handle, lambda: _libc.munmap(base, total)), offsets

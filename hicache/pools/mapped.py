@@ -1,0 +1,29 @@
+"""An engine's KV memory in the engine's own layout (SGLang's host pools), as the sidecar maps
+it to copy straight from and to the engine's pages."""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.geometry import KVGeometry
+from hicache.memory import SharedBuffer
+from hicache.pools.device import DeviceKVPool
+from hicache.pools.flat import FlatPool
+from hicache.pools.layouts import EngineLayout
+
+
+class MappedKVPool(DeviceKVPool):
+    """A device pool whose pages are where the engine keeps them: copies address it through
+    its EngineLayout's strides. It has no per-layer tensor views (layer_buffers raises):
+    the engine owns the tensors. CPU memory only."""
+
+    def __init__(self, geometry: KVGeometry, layout: EngineLayout, memory: SharedBuffer):
+        FlatPool.__init__(self, geometry, layout, memory)
+        self.device = "cpu"
+        self._views = []
+
+    def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
+        raise ValueError(f"a pool in the engine's layout {self.layout.name!r} has no per-layer views")
+
+    def check_integrity(self) -> None:
+        FlatPool.check_integrity(self)

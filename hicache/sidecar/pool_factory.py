@@ -1,0 +1,52 @@
+"""Building a registered pool: map the engine's memory, create the host pool, its storage
+tier and its cache; on any failure, release what was made so far."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+
+from hicache.keys import KEY_BYTES
+from hicache.memory import CudaIpcOpens, FdStore
+from hicache.pools import DeviceKVPool, HostKVPool
+from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
+from hicache.sidecar.pool import RegisteredPool
+from hicache.sidecar.registration import PoolIdentity, PoolRequest, map_device, map_engine_layout
+
+
+def build_pool(
+    req: PoolRequest, host_pages: int, config: ServiceConfig, ipc: CudaIpcOpens, fds: FdStore
+) -> RegisteredPool:
+    """The pool `req` asks for, with host_pages host pages. Raises ValueError for memory that
+    cannot be mapped (and whatever the tier raises), with nothing left allocated."""
+    with contextlib.ExitStack() as undo:
+        device: DeviceKVPool
+        if req.device_layout:
+            device = map_engine_layout(req.geometry, req.device_pages, req.device_memory, req.device_layout, fds)
+        else:
+            device = map_device(req.geometry, req.device_pages, req.device_memory, req.cuda_device, ipc)
+        undo.callback(device.close)
+        host = HostKVPool(req.geometry, host_pages, config.host_layout)
+        undo.callback(host.close)
+        tier = config.hierarchy.make_tier(req.geometry, req.stored_model_id, req.namespace)
+        undo.callback(tier.close)
+        cache = config.hierarchy.build(host, tier)
+        undo.callback(cache.close)
+        identity = PoolIdentity(
+            "pool-" + secrets.token_hex(8),
+            req.group,
+            req.namespace,
+            req.model_id,
+            req.key_hash,
+            KEY_BYTES[req.key_hash],
+        )
+        pool = RegisteredPool(
+            identity,
+            device,
+            cache,
+            max_batch=config.max_batch,
+            finished_ops_kept=config.finished_ops_kept,
+            io_backend=IO_BACKENDS[config.io_backend],
+        )
+        undo.pop_all()
+        return pool

@@ -1,0 +1,189 @@
+"""An engine's own memory layout (SGLang's host pools) shared by fd: the layouts address the
+bytes the engine's tensors hold, the sidecar copies straight from and to them, and bad fds,
+ids and sizes are refused with the value named."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+from sidecar_util import mimo_full
+
+from hicache.api import KeyStatus
+from hicache.client import HiCacheClient, HiCacheRpcError
+from hicache.geometry import KVGeometry
+from hicache.keys import page_keys
+from hicache.memory import FdStore, MemoryHandle, fd_socket_path, segment_offsets, send_fds
+from hicache.memory.buffer import local_buffer
+from hicache.pools.flat import FlatPool
+from hicache.pools.layouts import EngineLayout
+from hicache.sidecar.config import ServiceConfig
+from server import ServerConfig, create_server
+
+ORDERS = EngineLayout.ORDERS
+MLA = KVGeometry(attention="mla", layer_num=3, head_num=1, kv_lora_rank=32, qk_rope_head_dim=16, page_size=4)
+
+
+def engine_tensor(buf: torch.Tensor, g: KVGeometry, index: int, pages: int, order: str) -> torch.Tensor:
+    """Buffer `index` of the engine's own tensors over `buf`, shaped as SGLang shapes them:
+    [L, S, *row] / [S, L, *row] / [pages, L, P, *row]."""
+    spec = g.buffers[index]
+    n = g.layer_num * pages * g.page_size * spec.row_bytes
+    shape = {
+        "sglang_layer_first": (g.layer_num, pages * g.page_size),
+        "sglang_page_first": (pages * g.page_size, g.layer_num),
+        "sglang_page_first_direct": (pages, g.layer_num, g.page_size),
+    }[order]
+    return buf[:n].view(getattr(torch, spec.storage_dtype)).view(*shape, *spec.row_shape)
+
+
+def engine_tensors(buf: torch.Tensor, g: KVGeometry, pages: int, order: str, bases: list[int]) -> list[torch.Tensor]:
+    return [engine_tensor(buf[base:], g, i, pages, order) for i, base in enumerate(bases)]
+
+
+def rows(t: torch.Tensor, order: str, layer: int, page: int, p: int) -> torch.Tensor:
+    s = slice(page * p, (page + 1) * p)
+    return {"sglang_layer_first": lambda: t[layer, s], "sglang_page_first": lambda: t[s, layer]}.get(
+        order, lambda: t[page, layer]
+    )()
+
+
+def canonical(ts: list[torch.Tensor], g: KVGeometry, order: str, page: int) -> bytes:
+    """A page in the canonical format ([layer][buffer][token][row]), from the engine's tensors."""
+    return b"".join(
+        rows(t, order, layer, page, g.page_size).contiguous().view(torch.uint8).numpy().tobytes()
+        for layer in range(g.layer_num)
+        for t in ts
+    )
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("geometry", [mimo_full(page_size=4), MLA], ids=["mimo_k192_v128", "mla"])
+@pytest.mark.parametrize("gap", [0, 4096], ids=["one_region", "two_segments"])
+def test_engine_layout_addresses_the_engine_tensors(order: str, geometry: KVGeometry, gap: int) -> None:
+    g, pages = geometry, 5
+    sizes = [g.layer_num * pages * g.page_size * b.row_bytes for b in g.buffers]
+    bases = [sum(sizes[:i]) + i * gap for i in range(len(sizes))]
+    layout = EngineLayout(g, pages, order, tuple(bases) if gap else None, extent=bases[-1] + sizes[-1] + gap)
+    mem = local_buffer(layout.nbytes)
+    mem.tensor.random_(0, 256)
+    pool = FlatPool(g, layout, mem)
+    pool.check_integrity()
+    ts = engine_tensors(mem.tensor, g, pages, order, bases)
+    for page in range(pages):
+        assert pool.read_page(page).numpy().tobytes() == canonical(ts, g, order, page)
+
+
+def test_engine_layout_refuses_what_does_not_fit() -> None:
+    g = mimo_full(page_size=4)
+    with pytest.raises(ValueError, match="unknown engine layout 'page_head'"):
+        EngineLayout(g, 2, "page_head")
+    with pytest.raises(ValueError, match="do not fit at offsets"):
+        EngineLayout(g, 2, "sglang_page_first", (0, 10))  # V would overlap K
+    with pytest.raises(ValueError, match="the memory holds 100"):
+        EngineLayout(g, 2, "sglang_page_first", extent=100)
+    fp4 = KVGeometry(layer_num=1, head_num=1, head_dim=32, v_head_dim=32, dtype="fp4_e2m1")
+    with pytest.raises(ValueError, match="no scale buffers"):
+        EngineLayout(fp4, 1, "sglang_page_first")
+
+
+class MemfdPool:
+    """An engine pool the way SGLang's "allocator": "shm" makes it: one memfd per buffer
+    (K, V), each mapped on its own, page-rounded."""
+
+    def __init__(self, g: KVGeometry, pages: int, order: str):
+        self.g, self.pages, self.order = g, pages, order
+        sizes = [g.layer_num * pages * g.page_size * b.row_bytes for b in g.buffers]
+        self.fds, self.maps, self.tensors = [], [], []
+        for i, size in enumerate(sizes):
+            fd = os.memfd_create(f"test-pool-{i}", os.MFD_CLOEXEC)
+            rounded = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+            os.ftruncate(fd, rounded)
+            m = mmap.mmap(fd, rounded)
+            self.fds.append(fd)
+            self.maps.append(m)
+            buf = torch.frombuffer(m, dtype=torch.uint8)
+            buf.random_(0, 256)
+            self.tensors.append(engine_tensor(buf, g, i, pages, order))
+        self.offsets, self.total = segment_offsets([os.fstat(fd).st_size for fd in self.fds])
+
+    def page(self, page: int) -> bytes:
+        return canonical(self.tensors, self.g, self.order, page)
+
+
+@pytest.fixture
+def served() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="hc")
+    srv, address = create_server(ServerConfig(socket=os.path.join(d, "hc.sock"), service=ServiceConfig()))
+    yield address
+    srv.stop(0)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_sidecar_copies_straight_from_and_to_memfd_pages(served: str, order: str) -> None:
+    g = mimo_full(page_size=4)
+    eng = MemfdPool(g, 6, order)
+    with HiCacheClient(served) as client:
+        ids = client.send_fds(eng.fds)
+        handle = MemoryHandle("fd", eng.total, name=",".join(ids))
+        client.register_memory(g, eng.pages, handle, device_layout=order)
+        keys = page_keys(list(range(3 * g.page_size)), g.page_size)
+        want = [eng.page(p) for p in (0, 2, 4)]
+        assert client.offload(keys, [0, 2, 4]).statuses == (KeyStatus.STORED,) * 3
+        assert client.reload(keys, [5, 3, 1]).statuses == (KeyStatus.LOADED,) * 3
+        assert [eng.page(p) for p in (5, 3, 1)] == want
+
+
+def test_bad_fds_ids_and_sizes_are_refused(served: str) -> None:
+    g = mimo_full(page_size=4)
+    eng = MemfdPool(g, 2, "sglang_page_first")
+    path = served.removeprefix("unix://")
+    r, w = os.pipe()
+    with pytest.raises(ValueError, match="is not a non-empty regular file"):
+        send_fds(path, [r])
+    with socket.socket(socket.AF_UNIX) as s:  # a pipe sent anyway: the sidecar refuses it too
+        s.connect(fd_socket_path(path))
+        import array
+
+        s.sendmsg([b"HCFD1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r]))])
+        assert b"not a non-empty regular file" in s.makefile("rb").readline()
+    os.close(r)
+    os.close(w)
+    with HiCacheClient(served) as client:
+        with pytest.raises(HiCacheRpcError, match="unknown or expired fd id"):
+            client.register_memory(
+                g, 2, MemoryHandle("fd", eng.total, name="fd-nope"), device_layout="sglang_page_first"
+            )
+        with pytest.raises(HiCacheRpcError, match="needs a device_layout"):
+            client.register_memory(g, 2, MemoryHandle("fd", eng.total, name="x"))
+        ids = client.send_fds(eng.fds)
+        with pytest.raises(HiCacheRpcError, match=r"\(9 pages\) do not fit"):  # 2 pages of memory, 9 claimed
+            client.register_memory(
+                g, 9, MemoryHandle("fd", eng.total, name=",".join(ids)), device_layout="sglang_page_first"
+            )
+        ids = client.send_fds(eng.fds)
+        with pytest.raises(HiCacheRpcError, match="map to"):  # a handle whose size disagrees with the fds
+            client.register_memory(
+                g, 2, MemoryHandle("fd", eng.total + 1, name=",".join(ids)), device_layout="sglang_page_first"
+            )
+        with pytest.raises(HiCacheRpcError, match="unknown device layout"):
+            client.register_memory(g, 2, MemoryHandle("fd", eng.total, name="x"), device_layout="sideways")
+
+
+def test_fd_store_takes_each_id_once_and_expires_unclaimed_ones() -> None:
+    store = FdStore(ttl_s=60)
+    fid = store.add(os.memfd_create("a"))
+    assert len(store.take([fid])) == 1
+    with pytest.raises(ValueError, match="unknown or expired"):
+        store.take([fid])
+    stale = FdStore(ttl_s=0)
+    gone = stale.add(os.memfd_create("b"))
+    with pytest.raises(ValueError, match="unknown or expired"):
+        stale.take([gone])
