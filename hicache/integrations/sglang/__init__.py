@@ -11,6 +11,7 @@ differs) the import fails with an ImportError that says what to install.
 
 from __future__ import annotations
 
+import logging
 from importlib import metadata
 
 TESTED = "0.5.23"
@@ -37,6 +38,12 @@ def _check_sglang() -> None:
     missing += [n for n in needed if not hasattr(getattr(hicache_storage, "HiCacheStorage", None), n)]
     if missing:
         raise ImportError(f"SGLang {version} lacks {missing} of the storage interface hicache was built for: {fix}")
+    if version != TESTED:
+        logging.getLogger("hicache.integrations.sglang").warning(
+            "SGLang %s: hicache's adapter is tested with %s; its storage interface imports, so it is used",
+            version,
+            TESTED,
+        )
 
 
 _check_sglang()

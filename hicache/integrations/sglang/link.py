@@ -68,7 +68,11 @@ class PoolLink:
             self.get_area = StagingArea(self.staging, staging_pages, staging_pages)
         self._register_kw = {**register_kw, "group": group}
         self._lock = threading.Lock()
-        self.pool_id, self.host_pages = self._register()
+        try:
+            self.pool_id, self.host_pages = self._register()
+        except BaseException:
+            self.close()
+            raise
 
     def _register(self) -> tuple[str, int]:
         if self.staging is not None:

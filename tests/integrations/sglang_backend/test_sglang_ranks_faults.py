@@ -76,14 +76,17 @@ def test_two_tp_ranks_never_share_a_page(tmp_path: Path, sockdir: str) -> None:
         stop(proc)
 
 
-def test_mla_writer_writes_and_every_rank_reads(tmp_path: Path, sockdir: str) -> None:
+@pytest.mark.parametrize(("layout", "allocator"), [("page_first", "default"), ("layer_first", "shm")])
+def test_mla_writer_writes_and_every_rank_reads(tmp_path: Path, sockdir: str, layout: str, allocator: str) -> None:
     proc, target = sidecar(sockdir, "deepseek_v3", "--tp-size", "2")
     try:
         name = model_dir(tmp_path, "deepseek_v3")
-        pools = [mla_host_pool(61, layout="page_first") for _ in (0, 1)]
+        pools = [mla_host_pool(61, layout=layout, allocator=allocator) for _ in (0, 1)]
         backends = [
-            create(storage_config(name, target, layout="page_first", tp=(r, 2), mla=True), pools[r]) for r in (0, 1)
+            create(storage_config(name, target, layout=layout, tp=(r, 2), mla=True, allocator=allocator), pools[r])
+            for r in (0, 1)
         ]
+        assert all(b.links["kv"].direct == (allocator == "shm") for b in backends)
         assert [b.storage_config.is_storage_writer for b in backends] == [True, False]
         keys = keys_for(list(range(3 * 16)))
         fill(pools[1], seed=21)
