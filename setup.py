@@ -16,6 +16,6 @@ native = Extension(
 setup(
     packages=[*find_packages(include=["hicache", "hicache.*"]), "hicache_server"],
     package_dir={"hicache_server": "server"},
-    package_data={"hicache.data": ["*.json"]},
+    package_data={"hicache": ["py.typed"], "hicache.data": ["*.json"]},
     ext_modules=[native],
 )

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from hicache._version import __version__
 from hicache.paths import default_socket_path
 
 # The variables the `hicache` command reads (the server's are in hicache_server.envflags).
@@ -18,31 +19,39 @@ def _add_target(p: argparse.ArgumentParser) -> None:
         "--socket",
         dest="target",
         default=os.environ.get("HICACHE_SOCKET") or default_socket_path(),
-        help="sidecar socket path or gRPC target (default $HICACHE_SOCKET, else the server's default socket)",
+        help="sidecar socket path or gRPC target ($HICACHE_SOCKET, else the server's default socket)",
     )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache", description="Hierarchical KV-cache offloading for LLM serving")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="hicache", description="Hierarchical KV-cache offloading for LLM serving", formatter_class=fmt
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", help="run a sidecar and an example engine over a multi-turn chat, verifying every page"
+        "demo",
+        formatter_class=fmt,
+        help="run a sidecar and an example engine over a multi-turn chat, verifying every page",
     )
     from hicache.demo.run import add_arguments
 
     add_arguments(demo)
-    geometry = sub.add_parser("geometry", help="print the KV geometry of an HF config.json")
-    geometry.add_argument("config")
-    geometry.add_argument("--tp-size", type=int, default=1)
-    geometry.add_argument("--page-size", type=int, default=64)
-    geometry.add_argument("--dtype", default="bfloat16")
-    health = sub.add_parser("health", help="exit 0 only if the sidecar's health service says SERVING")
+    geometry = sub.add_parser("geometry", formatter_class=fmt, help="print the KV geometry of an HF config.json")
+    geometry.add_argument("config", help="a Hugging Face config.json")
+    geometry.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
+    geometry.add_argument("--page-size", type=int, default=64, help="tokens per page")
+    geometry.add_argument("--dtype", default="bfloat16", help="KV cache dtype")
+    health = sub.add_parser(
+        "health", formatter_class=fmt, help="exit 0 only if the sidecar's health service says SERVING"
+    )
     _add_target(health)
     health.add_argument("--service", default="", help="service name to ask about ('' is the whole server)")
-    stats = sub.add_parser("stats", help="print the stats of every pool on a running sidecar")
+    stats = sub.add_parser("stats", formatter_class=fmt, help="print the stats of every pool on a running sidecar")
     _add_target(stats)
-    stats.add_argument("--token", default=os.environ.get("HICACHE_TOKEN"), help="shared token (default $HICACHE_TOKEN)")
+    stats.add_argument("--token", default=None, help="shared token (unset: $HICACHE_TOKEN; never shown here)")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -66,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if status == SERVING else 1
         from hicache.client.stats_cli import print_stats
 
-        return print_stats(args.target, token=args.token, as_json=args.json, timeout=args.timeout)
+        return print_stats(
+            args.target, token=args.token or os.environ.get("HICACHE_TOKEN"), as_json=args.json, timeout=args.timeout
+        )
     except (ValueError, OSError) as exc:
         print(f"hicache: error: {exc}", file=sys.stderr)
         return 2

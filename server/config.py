@@ -9,6 +9,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from hicache._version import __version__
 from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry, model_geometries
 from hicache.paths import default_socket_path
@@ -92,7 +93,12 @@ def expected_geometries(model_config: str, *, tp_size: int, page_size: int, dtyp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hicache-server", description="hicache sidecar: host KV-cache tier over gRPC")
+    p = argparse.ArgumentParser(
+        prog="hicache-server",
+        description="hicache sidecar: host KV-cache tier over gRPC",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--socket", default=None, help=f"Unix socket path (default {default_socket_path()})")
     p.add_argument(
         "--listen", default=None, metavar="HOST:PORT", help="also listen on TCP (needs --token or --insecure)"

@@ -27,7 +27,7 @@ def env_name(flag: str) -> str:
 def _long_flags(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action]]:
     out = []
     for action in parser._actions:  # argparse has no public list of its actions
-        longs = [s for s in action.option_strings if s.startswith("--") and s != "--help"]
+        longs = [s for s in action.option_strings if s.startswith("--") and s not in ("--help", "--version")]
         if longs:
             out.append((longs[0], action))
     return out
