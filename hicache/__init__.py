@@ -6,7 +6,16 @@ from hicache.keys import page_keys
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.transfer import TransferEngine
 
-__all__ = ["BufferSpec", "DeviceKVPool", "HiCacheClient", "HostKVPool", "KVGeometry", "TransferEngine", "__version__", "page_keys"]
+__all__ = [
+    "BufferSpec",
+    "DeviceKVPool",
+    "HiCacheClient",
+    "HostKVPool",
+    "KVGeometry",
+    "TransferEngine",
+    "__version__",
+    "page_keys",
+]
 
 
 def __getattr__(name: str) -> object:
