@@ -183,7 +183,7 @@ def test_fd_store_takes_each_id_once_and_expires_unclaimed_ones() -> None:
     assert len(store.take([fid])) == 1
     with pytest.raises(ValueError, match="unknown or expired"):
         store.take([fid])
-    stale = FdStore(ttl_s=0)
+    stale = FdStore(ttl_s=-1)  # already past its deadline when added
     gone = stale.add(os.memfd_create("b"))
     with pytest.raises(ValueError, match="unknown or expired"):
         stale.take([gone])
