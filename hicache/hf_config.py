@@ -17,6 +17,8 @@ Rules:
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from hicache.validate import is_int
@@ -153,3 +155,21 @@ def model_groups(config: dict[str, Any]) -> list[str]:
         return ["full"]
     full, swa = _split_layers(cfg, _req_int(cfg, "num_hidden_layers"))
     return [name for name, ids in (("full", full), ("swa", swa)) if ids] or ["full"]
+
+
+def load_model_config(model_name: str | None, path: str | None) -> dict[str, Any] | None:
+    """The HF config.json of the model: `path` if given (ValueError if unreadable), else
+    <model_name>/config.json when model_name is a local folder, else None."""
+    if path is None and model_name:
+        candidate = os.path.join(model_name, "config.json")
+        path = candidate if os.path.isfile(candidate) else None
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read model config {path!r}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model config {path!r} is not a JSON object")
+    return config

@@ -11,7 +11,8 @@
 One registration covers one KV group (one KVGeometry). A hybrid model registers each
 group's pool (group="full", group="swa") and passes pool=... to the other calls; calls
 without pool= go to the most recently registered pool. Keys are bytes, namespaces str.
-Every call has a deadline (`timeout` s); mutating calls carry a request id and are retried
+Lookup, prefetch, watch, pin and unpin also take another client's pool id (a vLLM scheduler
+reads the pools its worker processes registered). Every call has a deadline (`timeout` s); mutating calls carry a request id and are retried
 on UNAVAILABLE with the same id, which the sidecar answers idempotently. Only register()
 waits for a sidecar that is not up yet; any other call to a dead sidecar fails at once with
 UNAVAILABLE (after its retries), well within its deadline.
@@ -92,6 +93,11 @@ class HiCacheClient:
         if pool_id not in self._pools:
             raise KeyError(f"pool {pool_id!r} was not registered by this client")
         return self._pools[pool_id]
+
+    def _pool_id(self, pool: str | None) -> str:
+        """The pool a read or pin call names: one of this client's, or another client's id
+        (a vLLM scheduler looks up the pools its workers registered). Default: the default pool."""
+        return pool if pool is not None else self._pool(None).pool_id
 
     @staticmethod
     def _rid() -> str:
@@ -242,7 +248,7 @@ class HiCacheClient:
         after a gap in the chain, or the fetch failed or was cancelled) or MISSING (no tier).
         policy: best_effort | wait_complete | timeout; "" uses the sidecar's default."""
         req = pb.PrefetchRequest(
-            request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), policy=policy
+            request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys), policy=policy
         )
         r = self._call(self._stub.Prefetch, req)
         return PrefetchOutcome(convert.statuses_from_pb(r.statuses), r.op_id, r.done, r.timed_out)
@@ -252,7 +258,7 @@ class HiCacheClient:
 
         The whole stream has the client's timeout as its deadline; no_deadline=True follows
         the operation however long it runs (a large best_effort prefetch)."""
-        req = pb.WatchRequest(pool_id=self._pool(pool).pool_id, op_id=op_id)
+        req = pb.WatchRequest(pool_id=self._pool_id(pool), op_id=op_id)
         deadline = None if no_deadline else self.timeout
         for msg in self._stub.Watch(req, timeout=deadline, metadata=self._metadata):
             yield convert.event_from_pb(msg)
@@ -266,15 +272,15 @@ class HiCacheClient:
         return EvictResult(convert.statuses_from_pb(r.statuses), r.pages_freed)
 
     def lookup(self, keys: Sequence[bytes], *, pool: str | None = None) -> LookupResult:
-        req = pb.LookupRequest(pool_id=self._pool(pool).pool_id, keys=list(keys))
+        req = pb.LookupRequest(pool_id=self._pool_id(pool), keys=list(keys))
         return convert.lookup_from_pb(self._call(self._stub.Lookup, req))
 
     def pin(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
-        req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys))
+        req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys))
         return convert.statuses_from_pb(self._call(self._stub.Pin, req).statuses)
 
     def unpin(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
-        req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys))
+        req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys))
         return convert.statuses_from_pb(self._call(self._stub.Unpin, req).statuses)
 
     def stats(self, pool: str | None = None, *, all_pools: bool = False) -> list[PoolStats]:

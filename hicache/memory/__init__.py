@@ -21,12 +21,14 @@ from hicache.memory.cuda import (
     pin_host,
 )
 from hicache.memory.fd import FdStore, fd_socket_path, map_fds, segment_offsets, send_fds, serve_fds
+from hicache.memory.maps import MappedFile, shared_file_of
 from hicache.memory.shm import SHM_PREFIX, create_shm, open_shm, shm_dir
 
 __all__ = [
     "SHM_PREFIX",
     "CudaIpcOpens",
     "FdStore",
+    "MappedFile",
     "MemoryHandle",
     "RefCountedOpens",
     "SharedBuffer",
@@ -44,6 +46,7 @@ __all__ = [
     "segment_offsets",
     "send_fds",
     "serve_fds",
+    "shared_file_of",
     "shm_dir",
     "wrap_tensor",
 ]

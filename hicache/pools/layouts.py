@@ -15,6 +15,8 @@ reads these strides; none probes tensor shapes.
                       (page, layer) chunk too; this is also the canonical flat page format)
 - EngineLayout:       an engine's own layout (SGLang's host pools), for copies straight
                       from and to the engine's memory
+- BlockLayout:        an engine that keeps each (layer, page) as one block of bytes at
+                      offset + layer * layer_stride + page * block_stride (vLLM's KV cache)
 """
 
 from __future__ import annotations
@@ -171,6 +173,66 @@ class EngineLayout(Layout):
         if self.name == "sglang_page_first":
             return ChunkStrides(base, g.page_size * g.layer_num * row, row, g.layer_num * row, row)
         return ChunkStrides(base, g.layer_num * g.page_size * row, g.page_size * row, row, row)
+
+
+class BlockLayout(Layout):
+    """An engine's KV memory where the (layer, page) chunk of every buffer lies in one block:
+    the page of layer l starts at offset + l * layer_stride + page * block_stride, and holds
+    the page_size rows of each buffer back to back (K, then V; or the MLA latent). This is
+    vLLM's KVCacheTensor placement: the sidecar copies each block as bytes, never reading
+    inside it, so vLLM's order within a page (its [H, N, C] cells) is kept as is.
+
+    Name: "vllm_blocks:<offset>:<layer_stride>:<block_stride>". `extent`: the bytes of the
+    memory. Raises ValueError for a malformed name, blocks that overlap, or memory too small.
+    """
+
+    PREFIX = "vllm_blocks"
+
+    def __init__(self, geometry: KVGeometry, num_pages: int, name: str, extent: int):
+        self.offset, self.layer_stride, self.block_stride = parse_block_layout(name)
+        block = geometry.page_bytes_for(1)
+        if self.block_stride < block or (geometry.layer_num > 1 and self.layer_stride < block):
+            raise ValueError(
+                f"device layout {name!r}: strides smaller than one layer's page of {block} bytes would overlap"
+            )
+        end = self.offset + (geometry.layer_num - 1) * self.layer_stride + (num_pages - 1) * self.block_stride + block
+        if extent < end:
+            raise ValueError(f"device layout {name!r} needs {end} bytes for {num_pages} pages, the memory holds {extent}")
+        self.name, self.extent = name, extent
+        super().__init__(geometry, num_pages)
+
+    @property
+    def nbytes(self) -> int:
+        return self.extent
+
+    def _strides(self, index: int, buffer: BufferSpec) -> ChunkStrides:
+        g = self.geometry
+        base = self.offset + sum(g.chunk_bytes(b) for b in g.buffers[:index])
+        return ChunkStrides(base, self.block_stride, self.layer_stride, buffer.row_bytes, buffer.row_bytes)
+
+
+def block_layout_name(offset: int, layer_stride: int, block_stride: int) -> str:
+    """The BlockLayout name for these byte offsets."""
+    return f"{BlockLayout.PREFIX}:{offset}:{layer_stride}:{block_stride}"
+
+
+def parse_block_layout(name: str) -> tuple[int, int, int]:
+    """(offset, layer_stride, block_stride) of a BlockLayout name. Raises ValueError."""
+    parts = name.split(":")
+    if len(parts) != 4 or parts[0] != BlockLayout.PREFIX or not all(p.isdigit() for p in parts[1:]):
+        raise ValueError(f"device layout {name!r} is not {BlockLayout.PREFIX}:<offset>:<layer_stride>:<block_stride>")
+    return int(parts[1]), int(parts[2]), int(parts[3])
+
+
+def check_engine_layout(name: str) -> None:
+    """Raises ValueError unless `name` is an engine layout the sidecar can map."""
+    if name.startswith(BlockLayout.PREFIX + ":"):
+        parse_block_layout(name)
+    elif name not in EngineLayout.ORDERS:
+        raise ValueError(
+            f"unknown device layout {name!r}; expected '', one of {list(EngineLayout.ORDERS)} "
+            f"or {BlockLayout.PREFIX}:<offset>:<layer_stride>:<block_stride>"
+        )
 
 
 _BY_NAME: dict[str, type[Layout]] = {c.name: c for c in (LayerFirst, PageFirst, PageFirstDirect)}

@@ -1,4 +1,4 @@
-"""An engine's KV memory in the engine's own layout (SGLang's host pools), as the sidecar maps
+"""An engine's KV memory in the engine's own layout (SGLang's host pools, vLLM's blocks), as the sidecar maps
 it to copy straight from and to the engine's pages."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from hicache.geometry import KVGeometry
 from hicache.memory import SharedBuffer
 from hicache.pools.device import DeviceKVPool
 from hicache.pools.flat import FlatPool
-from hicache.pools.layouts import EngineLayout
+from hicache.pools.layouts import Layout
 
 
 class MappedKVPool(DeviceKVPool):
     """A device pool whose pages are where the engine keeps them: copies address it through
-    its EngineLayout's strides. It has no per-layer tensor views (layer_buffers raises):
+    its EngineLayout's or BlockLayout's strides. It has no per-layer tensor views (layer_buffers raises):
     the engine owns the tensors. CPU memory only."""
 
-    def __init__(self, geometry: KVGeometry, layout: EngineLayout, memory: SharedBuffer):
+    def __init__(self, geometry: KVGeometry, layout: Layout, memory: SharedBuffer):
         FlatPool.__init__(self, geometry, layout, memory)
         self.device = "cpu"
         self._views = []

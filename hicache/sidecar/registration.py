@@ -8,7 +8,7 @@ from hicache.geometry import KVGeometry
 from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, FdStore, MemoryHandle, cuda_available, cuda_device_count, map_fds, open_shm
 from hicache.pools import DeviceKVPool
-from hicache.pools.layouts import EngineLayout
+from hicache.pools.layouts import BlockLayout, EngineLayout, Layout, check_engine_layout
 from hicache.pools.mapped import MappedKVPool
 from hicache.validate import is_int
 
@@ -39,7 +39,7 @@ class PoolRequest:
     cuda_device: int = 0
     tp_rank: int = 0
     tp_size: int = 1
-    device_layout: str = ""  # "" (hicache's layer_first) or an EngineLayout name
+    device_layout: str = ""  # "" (hicache's layer_first), an EngineLayout or a BlockLayout name
 
     def check(self, expected: dict[str, KVGeometry] | None, storage_backend: str) -> None:
         """Raises ValueError naming the first bad value; nothing is mapped or allocated yet."""
@@ -62,10 +62,7 @@ class PoolRequest:
         if not is_int(tp_rank) or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
         if self.device_layout:
-            if self.device_layout not in EngineLayout.ORDERS:
-                raise ValueError(
-                    f"unknown device layout {self.device_layout!r}; expected '' or one of {list(EngineLayout.ORDERS)}"
-                )
+            check_engine_layout(self.device_layout)
             if self.device_memory.kind not in ("fd", "shm"):
                 raise ValueError(
                     f"device layout {self.device_layout!r} needs CPU memory (fd or shm), got {self.device_memory.kind!r}"
@@ -123,7 +120,14 @@ def map_engine_layout(
         except FileNotFoundError:
             raise ValueError(f"device memory shm {memory.name!r} does not exist") from None
     try:
-        return MappedKVPool(geometry, EngineLayout(geometry, pages, layout, bases, extent=buf.nbytes), buf)
+        mapped: Layout
+        if layout.startswith(BlockLayout.PREFIX):
+            if bases is not None:
+                raise ValueError(f"device layout {layout!r} addresses one segment, got {len(bases)}")
+            mapped = BlockLayout(geometry, pages, layout, extent=buf.nbytes)
+        else:
+            mapped = EngineLayout(geometry, pages, layout, bases, extent=buf.nbytes)
+        return MappedKVPool(geometry, mapped, buf)
     except BaseException:
         buf.close()
         raise

@@ -26,7 +26,8 @@ from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.geometry import model_geometries
 from hicache.integrations.sglang.link import PoolLink, page_numbers
 from hicache.integrations.sglang.options import Options
-from hicache.integrations.sglang.pool_views import flat_page_views, geometry_of, model_config
+from hicache.hf_config import load_model_config
+from hicache.integrations.sglang.pool_views import flat_page_views, geometry_of
 
 log = logging.getLogger("hicache.integrations.sglang")
 GROUPS = {"kv": "full", "swa": "swa"}  # SGLang host pool name -> hicache KV group
@@ -62,7 +63,7 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             return
         cfg, opts = self.storage_config, self.options
         mla = bool(cfg.is_mla_model)
-        config = model_config(cfg.model_name, opts.model_config)
+        config = load_model_config(cfg.model_name, opts.model_config)
         geometry = geometry_of(host_pool)
         if config is not None:  # the model's layer ids for this group, and a cross-check
             tp = 1 if mla else cfg.tp_size

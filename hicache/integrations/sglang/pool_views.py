@@ -13,8 +13,6 @@ page (get_data_page(flat=True)) is the same layout over one page, K half then V 
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import torch
@@ -127,21 +125,3 @@ def geometry_of(pool: Any, *, layer_ids: tuple[int, ...] | None = None) -> KVGeo
         dtype=dtype,
         layer_ids=ids,
     )
-
-
-def model_config(model_name: str | None, path: str | None) -> dict[str, Any] | None:
-    """The HF config.json of the model: `path` if given (ValueError if unreadable), else
-    <model_name>/config.json when model_name is a local folder, else None."""
-    if path is None and model_name:
-        candidate = os.path.join(model_name, "config.json")
-        path = candidate if os.path.isfile(candidate) else None
-    if path is None:
-        return None
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read model config {path!r}: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"model config {path!r} is not a JSON object")
-    return config

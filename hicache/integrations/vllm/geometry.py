@@ -1,0 +1,96 @@
+"""The KVGeometry of each vLLM KV-cache group, and the check that vLLM's pages have its size.
+
+A page of a group is one vLLM block (tokens_per_block tokens) of every layer of the group.
+vLLM keeps a layer's block as [H, N, C] cells of C = (head_size + head_size_v) * dtype bytes;
+the sidecar copies that block as bytes. So what the handshake can check is the geometry's
+fields (heads, head dims, dtype, page size, layer count) and that they give exactly the
+bytes vLLM allocates per block; the order of bytes inside a block is vLLM's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from hicache.geometry import KVGeometry, model_geometries, normalize_dtype
+
+_LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def dtype_name(dtype: Any) -> str:
+    """hicache's name of a torch dtype or a vLLM cache dtype string ("bfloat16", "fp8")."""
+    return normalize_dtype(str(dtype).removeprefix("torch."))
+
+
+def geometry_from_spec(spec: Any, layer_num: int, layer_ids: Sequence[int] | None = None) -> KVGeometry:
+    """The geometry of `layer_num` layers of one vLLM AttentionSpec (FullAttentionSpec,
+    SlidingWindowSpec, MLAAttentionSpec, ...). An MLA spec's head_size is the whole latent
+    row (kv_lora_rank + qk_rope_head_dim); it is kept as one kv_lora_rank. Raises ValueError
+    for a spec whose pages hold more than K and V rows (quantization scales, packed cells)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVQuantMode, MLAAttentionSpec
+
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(f"hicache offloads attention KV caches only, not {type(spec).__name__}")
+    packed = spec.kv_quant_mode != KVQuantMode.NONE or spec.num_head_slots is not None
+    if packed or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
+        raise ValueError(f"{type(spec).__name__} with packed or quantized cells has no hicache geometry: {spec}")
+    ids = tuple(layer_ids) if layer_ids is not None else None
+    if isinstance(spec, MLAAttentionSpec):
+        return KVGeometry(
+            attention="mla",
+            layer_num=layer_num,
+            head_num=1,
+            kv_lora_rank=spec.head_size,
+            page_size=spec.block_size,
+            dtype=dtype_name(spec.dtype),
+            layer_ids=ids,
+        )
+    return KVGeometry(
+        layer_num=layer_num,
+        head_num=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        v_head_dim=spec.head_size_v,
+        page_size=spec.block_size,
+        dtype=dtype_name(spec.dtype),
+        layer_ids=ids,
+    )
+
+
+def layer_ids_of(layer_names: Sequence[str]) -> tuple[int, ...] | None:
+    """The model layer numbers in vLLM's layer names ("model.layers.3.self_attn.attn"), or
+    None when a name holds none."""
+    ids = [_LAYER_ID.search(n) for n in layer_names]
+    return tuple(int(m.group(1)) for m in ids if m) if all(ids) else None
+
+
+def geometry_from_hf(
+    hf_config: dict[str, Any], *, sliding: bool, layer_names: Sequence[str], tp_size: int, page_size: int, dtype: str
+) -> KVGeometry:
+    """A group's geometry from the model's HF config: the "swa" group's per-layer shape for a
+    sliding-window group, else the "full" one, over the group's own layers (vLLM may split
+    a hybrid model's layers into several groups). Raises ValueError."""
+    groups = model_geometries(hf_config, tp_size=tp_size, page_size=page_size, dtype=dtype_name(dtype))
+    name = "swa" if sliding else "full"
+    if name not in groups:
+        raise ValueError(f"vLLM has a {name!r} KV-cache group, the model config has only {sorted(groups)}")
+    return replace(groups[name], layer_num=len(layer_names), layer_ids=layer_ids_of(layer_names))
+
+
+def check_page_bytes(geometry: KVGeometry, page_bytes: Sequence[int], group: int) -> bool:
+    """Whether vLLM packs the group's layers into one region per block (a block-outermost
+    layout gives one ref of every layer's page); raises ValueError unless vLLM's pages (the
+    unpadded bytes per block of each ref) are exactly the geometry's."""
+    want = geometry.page_bytes_for(1)
+    if len(page_bytes) == 1 and geometry.layer_num > 1 and page_bytes[0] == geometry.page_bytes:
+        return True
+    if len(page_bytes) != geometry.layer_num:
+        raise ValueError(f"vLLM group {group}: {len(page_bytes)} layers, the geometry has {geometry.layer_num}")
+    wrong = sorted({b for b in page_bytes if b != want})
+    if wrong:
+        raise ValueError(
+            f"vLLM group {group}: blocks of {wrong} bytes per layer, but {geometry} gives {want}; "
+            "the model config does not describe this KV cache"
+        )
+    return False

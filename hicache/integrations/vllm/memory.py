@@ -1,0 +1,70 @@
+"""Where a vLLM KV-cache group's blocks are: the file behind vLLM's one KV allocation, and
+the BlockLayout that addresses the group's layers in it.
+
+vLLM places every layer of a KVCacheTensor in one backing allocation: layer l's block b at
+offset + l * layer_stride + b * block_stride. CanonicalKVCaches hands the worker one
+(num_blocks, page_bytes) int8 view per layer; the strides are read back from those views.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hicache.memory import MemoryHandle, shared_file_of
+from hicache.pools.layouts import block_layout_name
+
+
+@dataclass(frozen=True)
+class GroupMemory:
+    """One group's blocks: `fd` (the caller sends and then closes it) of `nbytes`, holding
+    num_blocks blocks in the BlockLayout `layout`."""
+
+    fd: int
+    nbytes: int
+    num_blocks: int
+    layout: str
+
+    def handle(self, fd_id: str) -> MemoryHandle:
+        return MemoryHandle("fd", self.nbytes, name=fd_id)
+
+
+def group_memory(views: Sequence[torch.Tensor], group: int, packed_layer_bytes: int = 0) -> GroupMemory:
+    """The memory of one group's per-layer views, in layer order; or, packed_layer_bytes > 0,
+    of one view whose block holds every layer's page back to back, each of that many bytes
+    (vLLM's block-outermost layouts). Raises ValueError for CUDA
+    memory (not mapped by this adapter yet), memory the sidecar cannot map (private), or
+    layers that are not evenly spaced in one file."""
+    first = views[0]
+    if first.device.type != "cpu":
+        raise ValueError(
+            f"vLLM group {group} is on {first.device}: this adapter maps CPU KV memory in shared "
+            "files only; a CUDA KV cache needs the sidecar to map vLLM's allocation by CUDA IPC, "
+            "which it does not do yet"
+        )
+    num_blocks, block_stride = first.shape[0], first.stride(0)
+    addrs = [v.data_ptr() for v in views]
+    layer_stride = addrs[1] - addrs[0] if len(addrs) > 1 else packed_layer_bytes
+    for i, v in enumerate(views):
+        if v.dtype != torch.int8 or v.dim() != 2 or v.stride(1) != 1:
+            raise ValueError(f"vLLM group {group} layer {i}: expected an int8 (num_blocks, page) view, got {v.dtype} {tuple(v.shape)}")
+        if v.shape[0] != num_blocks or v.stride(0) != block_stride or (i and addrs[i] != addrs[0] + i * layer_stride):
+            raise ValueError(
+                f"vLLM group {group}: layer {i} is not at the common strides (block {block_stride}, layer {layer_stride})"
+            )
+    if layer_stride < 0:
+        raise ValueError(f"vLLM group {group}: layers lie in descending addresses")
+    head = shared_file_of(addrs[0])
+    try:
+        last = shared_file_of(addrs[-1])
+        same = os.fstat(last.fd).st_ino == os.fstat(head.fd).st_ino and last.offset == head.offset + addrs[-1] - addrs[0]
+        os.close(last.fd)
+        if not same:
+            raise ValueError(f"vLLM group {group}: its layers are not in one contiguous mapping of one file")
+        return GroupMemory(head.fd, head.size, num_blocks, block_layout_name(head.offset, layer_stride, block_stride))
+    except BaseException:
+        os.close(head.fd)
+        raise

@@ -1,0 +1,178 @@
+"""HiCacheOffloadingWorker: one vLLM rank's KV cache, registered with the sidecar.
+
+Each KV-cache group becomes one sidecar pool whose pages are vLLM's blocks, mapped from
+vLLM's own allocation (its fd goes to the sidecar over the Unix socket), so an Offload or a
+Reload copies straight between vLLM's blocks and the sidecar's host pool. Registration runs
+when vLLM hands over its KV caches, and any error there stops vLLM's start-up. Transfers run
+on two threads (stores, loads) so that submitting never blocks vLLM's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from hicache.api import KeyStatus
+from hicache.client import HiCacheClient, HiCacheRpcError
+from hicache.geometry import KVGeometry
+from hicache.integrations.vllm import rendezvous
+from hicache.integrations.vllm.keys import KEY_HASH, GroupMoves, plan_moves
+from hicache.integrations.vllm.manager import HiCacheLoadStoreSpec
+from hicache.integrations.vllm.memory import GroupMemory, group_memory
+from hicache.integrations.vllm.options import Options
+
+log = logging.getLogger("hicache.integrations.vllm")
+LOADED = (KeyStatus.LOADED, KeyStatus.LOADED_FROM_STORAGE)
+KEPT = (KeyStatus.STORED, KeyStatus.DEDUPLICATED)
+BATCH = 4096  # keys per Offload / Reload call
+
+
+@dataclass
+class GroupLink:
+    """One group's sidecar pool."""
+
+    name: str
+    geometry: KVGeometry
+    memory: GroupMemory
+    pool_id: str = ""
+
+
+class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
+    def __init__(
+        self,
+        options: Options,
+        config: OffloadingConfig,
+        kv_caches: CanonicalKVCaches,
+        geometries: list[tuple[KVGeometry, int]],
+        model_id: str,
+    ):
+        self.options, self.config, self.model_id = options, config, model_id
+        self.blocks_per_chunk = config.cache.blocks_per_chunk
+        self.client = HiCacheClient(options.target, token=options.token, timeout=options.timeout_s)
+        self.links: list[GroupLink] = []
+        self._lock = threading.Lock()
+        try:
+            for g, (refs, (geometry, packed)) in enumerate(zip(kv_caches.group_data_refs, geometries, strict=True)):
+                views = [kv_caches.tensors[r.tensor_idx].tensor for r in refs]
+                name = "swa" if config.groups[g].sliding_window_size_in_chunks is not None else "full"
+                self.links.append(GroupLink(name, geometry, group_memory(views, g, packed)))
+            for link in self.links:
+                self._register(link)
+            self._publish()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._stores = ThreadPoolExecutor(1, thread_name_prefix="hicache-store")
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
+        self._jobs: dict[int, Future[TransferResult]] = {}
+
+    # ---- registration --------------------------------------------------------------------------
+    def _register(self, link: GroupLink) -> None:
+        (fd_id,) = self.client.send_fds([link.memory.fd])
+        p = self.config.parallel
+        info = self.client.register_memory(
+            link.geometry,
+            link.memory.num_blocks,
+            link.memory.handle(fd_id),
+            device_layout=link.memory.layout,
+            namespace=self.options.namespace,
+            model_id=self.model_id,
+            group=link.name,
+            key_hash=KEY_HASH,
+            tp_rank=p.rank,
+            tp_size=p.world_size,
+        )
+        link.pool_id = info.pool_id
+
+    def _publish(self) -> None:
+        pools = {g: link.pool_id for g, link in enumerate(self.links)}
+        rendezvous.publish(self.options.meeting_dir, self.config.engine_id, self.config.parallel.rank, pools)
+
+    def _call_pool(self, link: GroupLink, fn: str, keys: list[bytes], blocks: list[int]) -> tuple[KeyStatus, ...]:
+        """client.offload/reload on the link's pool; a pool the sidecar forgot (it restarted)
+        is registered again, published, and the call made once more."""
+        pool_id = link.pool_id
+        try:
+            return getattr(self.client, fn)(keys, blocks, pool=pool_id).statuses  # type: ignore[no-any-return]
+        except HiCacheRpcError as exc:
+            if exc.code.name != "NOT_FOUND" or "pool" not in exc.details:
+                raise
+        with self._lock:
+            if link.pool_id == pool_id:
+                self._register(link)
+                self._publish()
+                log.warning("hicache sidecar lost pool %s (restarted?); registered again as %s", pool_id, link.pool_id)
+        return getattr(self.client, fn)(keys, blocks, pool=link.pool_id).statuses  # type: ignore[no-any-return]
+
+    # ---- transfers -----------------------------------------------------------------------------
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._submit(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        return self._submit(job_id, dst_spec, src_spec, store=False)
+
+    def _submit(self, job_id: int, gpu: GPULoadStoreSpec, chunks: LoadStoreSpec, *, store: bool) -> bool:
+        if not isinstance(chunks, HiCacheLoadStoreSpec):
+            raise TypeError(f"expected a HiCacheLoadStoreSpec, got {type(chunks).__name__}")
+        moves = plan_moves(chunks.keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices, self.blocks_per_chunk)
+        pool = self._stores if store else self._loads
+        self._jobs[job_id] = pool.submit(self._run, job_id, moves, store)
+        return True
+
+    def _run(self, job_id: int, moves: list[GroupMoves], store: bool) -> TransferResult:
+        """One job. A store always succeeds towards vLLM (vLLM 0.33 cannot take a failed job,
+        and a page the sidecar did not keep is only a later miss); a load succeeds only when
+        every page arrived."""
+        start, nbytes, ok = time.perf_counter(), 0, True
+        try:
+            for m in moves:
+                link = self.links[m.group]
+                for i in range(0, len(m.keys), BATCH):
+                    keys, blocks = m.keys[i : i + BATCH], m.blocks[i : i + BATCH]
+                    statuses = self._call_pool(link, "offload" if store else "reload", keys, blocks)
+                    good = sum(s in (KEPT if store else LOADED) for s in statuses)
+                    nbytes += good * link.geometry.page_bytes
+                    if good < len(keys):
+                        ok = ok and store
+                        log.warning("hicache %s job %d: %d of %d pages not %s", "store" if store else "load",
+                                    job_id, len(keys) - good, len(keys), "kept" if store else "loaded")
+        except Exception as exc:
+            ok = store
+            log.warning("hicache %s job %d failed: %s", "store" if store else "load", job_id, exc)
+        return TransferResult(job_id, ok, nbytes, time.perf_counter() - start)
+
+    def get_finished(self) -> list[TransferResult]:
+        done = [job_id for job_id, f in self._jobs.items() if f.done()]
+        return [self._jobs.pop(job_id).result() for job_id in done]
+
+    def wait(self, job_ids: set[int]) -> None:
+        for job_id in job_ids:
+            future = self._jobs.get(job_id)
+            if future is not None:
+                future.exception()  # waits; _run never raises
+
+    def shutdown(self) -> None:
+        for pool in (getattr(self, "_stores", None), getattr(self, "_loads", None)):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        rendezvous.withdraw(self.options.meeting_dir, self.config.engine_id, self.config.parallel.rank)
+        for link in self.links:
+            if link.memory.fd >= 0:
+                os.close(link.memory.fd)
+                link.memory = GroupMemory(-1, link.memory.nbytes, link.memory.num_blocks, link.memory.layout)
+        self.client.close()
