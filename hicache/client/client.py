@@ -247,9 +247,7 @@ class HiCacheClient:
         or referenced pages fill the host pool), NOT_FOUND (in storage but not brought in:
         after a gap in the chain, or the fetch failed or was cancelled) or MISSING (no tier).
         policy: best_effort | wait_complete | timeout; "" uses the sidecar's default."""
-        req = pb.PrefetchRequest(
-            request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys), policy=policy
-        )
+        req = pb.PrefetchRequest(request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys), policy=policy)
         r = self._call(self._stub.Prefetch, req)
         return PrefetchOutcome(convert.statuses_from_pb(r.statuses), r.op_id, r.done, r.timed_out)
 

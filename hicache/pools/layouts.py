@@ -197,7 +197,9 @@ class BlockLayout(Layout):
             )
         end = self.offset + (geometry.layer_num - 1) * self.layer_stride + (num_pages - 1) * self.block_stride + block
         if extent < end:
-            raise ValueError(f"device layout {name!r} needs {end} bytes for {num_pages} pages, the memory holds {extent}")
+            raise ValueError(
+                f"device layout {name!r} needs {end} bytes for {num_pages} pages, the memory holds {extent}"
+            )
         self.name, self.extent = name, extent
         super().__init__(geometry, num_pages)
 

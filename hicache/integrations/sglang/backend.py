@@ -24,9 +24,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.geometry import model_geometries
+from hicache.hf_config import load_model_config
 from hicache.integrations.sglang.link import PoolLink, page_numbers
 from hicache.integrations.sglang.options import Options
-from hicache.hf_config import load_model_config
 from hicache.integrations.sglang.pool_views import flat_page_views, geometry_of
 
 log = logging.getLogger("hicache.integrations.sglang")

@@ -25,7 +25,9 @@ def _check_vllm() -> None:
     try:
         from vllm.v1.kv_offload import base
     except ImportError as exc:
-        raise ImportError(f"vLLM {version} is installed but its offloading interface does not import ({exc}): {fix}") from None
+        raise ImportError(
+            f"vLLM {version} is installed but its offloading interface does not import ({exc}): {fix}"
+        ) from None
     needed = ("OffloadingSpec", "OffloadingManager", "OffloadingWorker", "CanonicalKVCaches", "GPULoadStoreSpec")
     missing = [n for n in needed if not hasattr(base, n)]
     if missing:

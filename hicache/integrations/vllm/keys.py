@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
-KEY_HASH = "sha256"
+KEY_HASH: Final = "sha256"
 
 
 def group_of(offload_key: bytes) -> int:

@@ -127,7 +127,9 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def _group_pools(self, group: int) -> list[str]:
         """Every rank's pool for `group` (read from the workers' rendezvous once all wrote)."""
         if self._pools is None:
-            self._pools = rendezvous.read(self.options.meeting_dir, self.config.engine_id, self.config.parallel.world_size)
+            self._pools = rendezvous.read(
+                self.options.meeting_dir, self.config.engine_id, self.config.parallel.world_size
+            )
             if self._pools is None:
                 raise LookupError(f"not every worker of engine {self.config.engine_id!r} has registered its pools yet")
         return [ranks[group] for ranks in self._pools]

@@ -50,7 +50,9 @@ def group_memory(views: Sequence[torch.Tensor], group: int, packed_layer_bytes: 
     layer_stride = addrs[1] - addrs[0] if len(addrs) > 1 else packed_layer_bytes
     for i, v in enumerate(views):
         if v.dtype != torch.int8 or v.dim() != 2 or v.stride(1) != 1:
-            raise ValueError(f"vLLM group {group} layer {i}: expected an int8 (num_blocks, page) view, got {v.dtype} {tuple(v.shape)}")
+            raise ValueError(
+                f"vLLM group {group} layer {i}: expected an int8 (num_blocks, page) view, got {v.dtype} {tuple(v.shape)}"
+            )
         if v.shape[0] != num_blocks or v.stride(0) != block_stride or (i and addrs[i] != addrs[0] + i * layer_stride):
             raise ValueError(
                 f"vLLM group {group}: layer {i} is not at the common strides (block {block_stride}, layer {layer_stride})"
@@ -60,7 +62,9 @@ def group_memory(views: Sequence[torch.Tensor], group: int, packed_layer_bytes: 
     head = shared_file_of(addrs[0])
     try:
         last = shared_file_of(addrs[-1])
-        same = os.fstat(last.fd).st_ino == os.fstat(head.fd).st_ino and last.offset == head.offset + addrs[-1] - addrs[0]
+        same = (
+            os.fstat(last.fd).st_ino == os.fstat(head.fd).st_ino and last.offset == head.offset + addrs[-1] - addrs[0]
+        )
         os.close(last.fd)
         if not same:
             raise ValueError(f"vLLM group {group}: its layers are not in one contiguous mapping of one file")

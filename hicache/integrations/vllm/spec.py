@@ -56,7 +56,9 @@ class HiCacheOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         ValueError."""
         cfg = self.config
         if len(kv_caches.group_data_refs) != len(cfg.groups):
-            raise ValueError(f"vLLM gave {len(kv_caches.group_data_refs)} KV-cache groups, its config {len(cfg.groups)}")
+            raise ValueError(
+                f"vLLM gave {len(kv_caches.group_data_refs)} KV-cache groups, its config {len(cfg.groups)}"
+            )
         hf: dict[str, Any] | None = None
         out: list[tuple[KVGeometry, int]] = []
         for g, (group, refs) in enumerate(zip(cfg.groups, kv_caches.group_data_refs, strict=True)):

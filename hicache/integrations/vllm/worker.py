@@ -129,7 +129,9 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     def _submit(self, job_id: int, gpu: GPULoadStoreSpec, chunks: LoadStoreSpec, *, store: bool) -> bool:
         if not isinstance(chunks, HiCacheLoadStoreSpec):
             raise TypeError(f"expected a HiCacheLoadStoreSpec, got {type(chunks).__name__}")
-        moves = plan_moves(chunks.keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices, self.blocks_per_chunk)
+        moves = plan_moves(
+            chunks.keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices, self.blocks_per_chunk
+        )
         pool = self._stores if store else self._loads
         self._jobs[job_id] = pool.submit(self._run, job_id, moves, store)
         return True
@@ -149,8 +151,14 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                     nbytes += good * link.geometry.page_bytes
                     if good < len(keys):
                         ok = ok and store
-                        log.warning("hicache %s job %d: %d of %d pages not %s", "store" if store else "load",
-                                    job_id, len(keys) - good, len(keys), "kept" if store else "loaded")
+                        log.warning(
+                            "hicache %s job %d: %d of %d pages not %s",
+                            "store" if store else "load",
+                            job_id,
+                            len(keys) - good,
+                            len(keys),
+                            "kept" if store else "loaded",
+                        )
         except Exception as exc:
             ok = store
             log.warning("hicache %s job %d failed: %s", "store" if store else "load", job_id, exc)

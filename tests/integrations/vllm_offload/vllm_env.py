@@ -48,11 +48,17 @@ def model_dir(tmp: Path, name: str) -> str:
     return str(d)
 
 
-def vllm_config(model: str, target: str, *, rank: int = 0, tp: int = 1, engine_id: str = "engine-a", **extra: Any) -> Any:
+def vllm_config(
+    model: str, target: str, *, rank: int = 0, tp: int = 1, engine_id: str = "engine-a", **extra: Any
+) -> Any:
     """vLLM's VllmConfig for `model` (a folder), with the OffloadingConnector and this spec."""
     from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
 
-    connector = {"spec_name": "HiCacheOffloadingSpec", "spec_module_path": "hicache.integrations.vllm", "target": target}
+    connector = {
+        "spec_name": "HiCacheOffloadingSpec",
+        "spec_module_path": "hicache.integrations.vllm",
+        "target": target,
+    }
     transfer = KVTransferConfig(
         kv_connector="OffloadingConnector",
         kv_role="kv_both",
@@ -111,9 +117,7 @@ class Engine:
             m.close()
 
 
-def make_engine(
-    vc: Any, groups: list[tuple[Any, list[str]]], *, num_blocks: int = 32, layout: str = "LBNHC"
-) -> Engine:
+def make_engine(vc: Any, groups: list[tuple[Any, list[str]]], *, num_blocks: int = 32, layout: str = "LBNHC") -> Engine:
     """vLLM's KV cache for `groups` (spec, layer names): one KVCacheTensor per group, laid one
     after the other in one memfd allocation and viewed by vLLM's create_kv_cache_views."""
     import torch
