@@ -117,9 +117,12 @@ class Engine:
             m.close()
 
 
-def make_engine(vc: Any, groups: list[tuple[Any, list[str]]], *, num_blocks: int = 32, layout: str = "LBNHC") -> Engine:
+def make_engine(
+    vc: Any, groups: list[tuple[Any, list[str]]], *, num_blocks: int = 32, layout: str = "LBNHC", memfd: bool = True
+) -> Engine:
     """vLLM's KV cache for `groups` (spec, layer names): one KVCacheTensor per group, laid one
-    after the other in one memfd allocation and viewed by vLLM's create_kv_cache_views."""
+    after the other in one memfd allocation (memfd=False: torch.zeros, as vLLM allocates) and
+    viewed by vLLM's create_kv_cache_views."""
     import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, create_kv_cache_views
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -141,15 +144,19 @@ def make_engine(vc: Any, groups: list[tuple[Any, list[str]]], *, num_blocks: int
         kv_cache_tensors=tensors,
         kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for spec, names in groups],
     )
-    fd = os.memfd_create("vllm-kv")
-    os.ftruncate(fd, total)
-    mem = mmap.mmap(fd, total)
-    os.close(fd)  # the mapping keeps the memfd; the adapter finds it through /proc/self/maps
-    raw = torch.frombuffer(mem, dtype=torch.int8)
+    keep: list[Any] = []
+    if memfd:
+        fd = os.memfd_create("vllm-kv")
+        os.ftruncate(fd, total)
+        keep.append(mmap.mmap(fd, total))
+        os.close(fd)  # the mapping keeps the memfd; the adapter finds it through /proc/self/maps
+        raw = torch.frombuffer(keep[0], dtype=torch.int8)
+    else:
+        raw = torch.zeros(total, dtype=torch.int8)
     kv_caches = {}
     for tensor, (spec, names) in zip(tensors, groups, strict=True):
         kv_caches.update(zip(names, create_kv_cache_views(raw, spec, num_blocks, lay, tensor), strict=True))
-    return Engine(vc, config, raw, kv_caches, _keep=[mem])
+    return Engine(vc, config, raw, kv_caches, _keep=keep)
 
 
 def start_worker(engine: Engine) -> Engine:

@@ -1,0 +1,204 @@
+"""The vLLM adapter when things go wrong (a sidecar that is down or restarts, memory the
+sidecar cannot map, a model config that does not describe vLLM's cache, bad options), and
+the KVGeometry it builds from vLLM's own KVCacheSpec classes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_env import require_vllm
+
+require_vllm()
+
+import torch  # noqa: E402
+from sidecar_util import start_sidecar  # noqa: E402
+from test_vllm_offload import CTX, blocks_of, chunk_keys, layer_names, load, qwen_engine, resolve, store  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
+from vllm_env import FIXTURES, attention_spec, fill, make_engine, model_dir, sidecar_dir, start_worker, vllm_config  # noqa: E402
+
+from hicache.client.health import check_health  # noqa: E402
+from hicache.geometry import model_geometries  # noqa: E402
+from hicache.integrations.vllm.geometry import geometry_from_hf, geometry_from_spec  # noqa: E402
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    yield from sidecar_dir()
+
+
+def qwen_sidecar(sockdir: str) -> tuple[Any, str]:
+    return start_sidecar(sockdir, config=FIXTURES / "qwen3_8b.json", page_size=16)
+
+
+def test_a_sidecar_that_dies_gives_misses_and_refused_stores_never_an_exception(tmp_path: Path, sockdir: str) -> None:
+    proc, target = qwen_sidecar(sockdir)
+    eng = qwen_engine(tmp_path, target, timeout_s=2.0, retry_s=30.0)
+    manager = eng.spec.get_manager()
+    try:
+        keys = chunk_keys(2)
+        store(eng, manager, keys, [1, 2], job=1)
+        assert resolve(manager, keys)[2:] == [LookupResult.HIT] * 2
+        proc.kill()
+        proc.wait(timeout=30)
+        with manager.lock:
+            manager.reset_cache()
+        assert resolve(manager, keys) == [LookupResult.RETRY] * 2 + [LookupResult.MISS] * 2
+        with manager.lock:  # within retry_s: answered at once, no call made
+            assert manager.lookup(chunk_keys(1, seed=4)[0], CTX) is LookupResult.MISS
+            assert manager.prepare_store(chunk_keys(1, seed=4), CTX) is None
+            spec = manager.prepare_load(keys, CTX)  # a pin that fails is logged, not raised
+            manager.complete_load(keys, CTX)
+        # the worker: a store that the sidecar cannot take still completes (it is a later
+        # miss); a load that cannot be served is a failed job, as vLLM's interface has it
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+        eng.worker.submit_store(2, GPULoadStoreSpec([3, 6], group_sizes=[2], block_indices=[0]), spec)
+        eng.worker.submit_load(3, spec, GPULoadStoreSpec([4, 5], group_sizes=[2], block_indices=[0]))
+        eng.worker.wait({2, 3})
+        results = {r.job_id: r.success for r in eng.worker.get_finished()}
+        assert results == {2: True, 3: False}
+    finally:
+        manager.shutdown()
+        eng.close()
+
+
+def test_after_a_sidecar_restart_the_worker_registers_again_and_the_scheduler_follows(
+    tmp_path: Path, sockdir: str
+) -> None:
+    proc, target = qwen_sidecar(sockdir)
+    eng = qwen_engine(tmp_path, target, retry_s=0.2)
+    manager = eng.spec.get_manager()
+    try:
+        old = eng.worker.links[0].pool_id
+        proc.terminate()
+        proc.wait(timeout=60)
+        proc, _ = qwen_sidecar(sockdir)
+        deadline = time.monotonic() + 60
+        while check_health(target) != "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        keys = chunk_keys(2, seed=8)
+        want = blocks_of(eng, [5, 6])
+        assert store(eng, manager, keys, [5, 6], job=1).success
+        assert eng.worker.links[0].pool_id != old  # registered again, and published
+        deadline = time.monotonic() + 30
+        answers = resolve(manager, keys)
+        while answers[2:] != [LookupResult.HIT] * 2 and time.monotonic() < deadline:
+            time.sleep(0.25)  # the first lookups may meet the old pool id: misses for retry_s
+            with manager.lock:
+                manager.reset_cache()
+            answers = resolve(manager, keys)
+        assert answers[2:] == [LookupResult.HIT] * 2
+        eng.raw.zero_()
+        assert load(eng, manager, keys, [0, 1], job=2).success
+        assert all(torch.equal(a, b) for a, b in zip(want, blocks_of(eng, [0, 1]), strict=True))
+    finally:
+        manager.shutdown()
+        eng.close()
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_memory_the_sidecar_cannot_map_stops_start_up_with_the_fix(tmp_path: Path, sockdir: str) -> None:
+    proc, target = qwen_sidecar(sockdir)
+    try:
+        vc = vllm_config(model_dir(tmp_path, "qwen3_8b"), target)
+        eng = make_engine(vc, [(attention_spec(vc), layer_names(36))], num_blocks=4, memfd=False)
+        with pytest.raises(ValueError, match="private memory.*memfd or /dev/shm"):
+            start_worker(eng)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_a_model_config_that_does_not_describe_vllms_cache_is_refused(tmp_path: Path, sockdir: str) -> None:
+    proc, target = start_sidecar(sockdir, config=FIXTURES / "qwen3_8b.json", page_size=16)
+    try:
+        other = str(FIXTURES / "mimo_v2_flash.json")  # 4 KV heads of K 192 / V 128, not 8 of 128
+        with pytest.raises(ValueError, match=r"vLLM group 0: blocks of \[65536\] bytes per layer.* gives 40960"):
+            qwen_engine(tmp_path, target, model_config=other)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("timeout_s", 0, "'timeout_s' must be a number > 0"),
+        ("target", "", "'target' must be a non-empty string"),
+        ("model_config", 3, "'model_config' must be a string"),
+    ],
+)
+def test_bad_options_fail_the_spec_naming_the_key(tmp_path: Path, key: str, value: Any, message: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    extra = {key: value}
+    vc = vllm_config(model_dir(tmp_path, "qwen3_8b"), extra.pop("target", "unix:///nowhere.sock"), **extra)
+    eng = make_engine(vc, [(attention_spec(vc), layer_names(36))], num_blocks=2)
+    with pytest.raises(ValueError, match=message):
+        OffloadingSpecFactory.create_spec(build_offloading_config(vc, eng.kv_cache_config))
+    eng.close()
+
+
+def test_mla_latents_round_trip(tmp_path: Path, sockdir: str) -> None:
+    proc, target = start_sidecar(sockdir, config=FIXTURES / "deepseek_v3.json", page_size=16)
+    try:
+        vc = vllm_config(model_dir(tmp_path, "deepseek_v3"), target)
+        spec = attention_spec(vc)
+        assert isinstance(spec, MLAAttentionSpec) and spec.head_size == 576
+        eng = make_engine(vc, [(spec, layer_names(vc.model_config.get_num_layers(vc.parallel_config)))], num_blocks=4)
+        fill(eng, seed=3)
+        start_worker(eng)
+        manager = eng.spec.get_manager()
+        geometry = eng.worker.links[0].geometry
+        assert (geometry.attention, geometry.kv_lora_rank, geometry.qk_rope_head_dim) == ("mla", 512, 64)
+        keys = chunk_keys(2, seed=6)
+        store(eng, manager, keys, [0, 3], job=1)
+        want = blocks_of(eng, [0, 3])
+        eng.raw.zero_()
+        assert load(eng, manager, keys, [1, 2], job=2).success
+        assert all(torch.equal(a, b) for a, b in zip(want, blocks_of(eng, [1, 2]), strict=True))
+        manager.shutdown()
+        eng.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("model", ["mimo_v2_flash", "qwen3_8b", "llama_3_1_8b", "deepseek_v3"])
+def test_geometry_from_vllms_specs_matches_the_model_config_byte_for_byte(model: str) -> None:
+    """vLLM's own KVCacheSpec classes and hicache's HF config reader describe the same page:
+    the same fields and exactly vLLM's bytes per block."""
+    cfg = json.loads((FIXTURES / f"{model}.json").read_text())
+    for name, g in model_geometries(cfg, tp_size=1, page_size=16, dtype="bfloat16").items():
+        if g.attention == "mla":
+            spec: Any = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=g.head_dim, dtype=torch.bfloat16)
+        else:
+            cls: Any = SlidingWindowSpec if name == "swa" else FullAttentionSpec
+            extra = {"sliding_window": 128} if name == "swa" else {}
+            spec = cls(block_size=16, num_kv_heads=g.head_num, head_size=g.head_dim, head_size_v=g.v_head_dim,
+                       dtype=torch.bfloat16, **extra)  # fmt: skip
+        mine = geometry_from_spec(spec, g.layer_num, g.layer_ids)
+        assert mine.page_bytes_for(1) == spec.page_size_bytes == g.page_bytes_for(1)
+        names = layer_names(0, g.layer_ids)
+        from_hf = geometry_from_hf(cfg, sliding=name == "swa", layer_names=names, tp_size=1, page_size=16, dtype="bfloat16")
+        if g.attention == "mla":  # vLLM's spec has the latent width only, not its split
+            assert (mine.head_dim, mine.layer_ids) == (from_hf.head_dim, from_hf.layer_ids)
+        else:
+            assert mine.diff(from_hf) == []
+
+
+def test_specs_with_packed_or_quantized_cells_are_refused() -> None:
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    modes = [m for m in KVQuantMode if m != KVQuantMode.NONE]
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, kv_quant_mode=modes[0])
+    with pytest.raises(ValueError, match="packed or quantized cells"):
+        geometry_from_spec(spec, 2)
