@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang
+.PHONY: demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm
 
 $(STAMP): pyproject.toml setup.py hicache/transfer/_native.c
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -53,6 +53,29 @@ test-sglang: $(SGL_STAMP)
 bench-sglang: $(SGL_STAMP)
 	$(SGL_PY) benchmarks/sglang_backend.py
 
+# vLLM beside hicache, in its own venv for the same reason (requirements-vllm.txt)
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py hicache/transfer/_native.c
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q --no-deps -r requirements-vllm.txt
+	$(VLLM_PY) -m pip install -q -e '.[dev]'
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	@rc=0; HICACHE_REQUIRE_ENGINES=vllm TRITON_INTERPRET=1 $(VLLM_PY) -m pytest tests/integrations $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
+
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) benchmarks/vllm_offload.py
+
 bench: $(STAMP)
 	$(PY) benchmarks/transfer.py
 
@@ -61,4 +84,4 @@ bench-tiers: $(STAMP)
 	$(PY) benchmarks/tiers.py
 
 clean:
-	rm -rf $(VENV) $(SGL_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGL_VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
