@@ -188,7 +188,9 @@ def test_geometry_from_vllms_specs_matches_the_model_config_byte_for_byte(model:
         mine = geometry_from_spec(spec, g.layer_num, g.layer_ids)
         assert mine.page_bytes_for(1) == spec.page_size_bytes == g.page_bytes_for(1)
         names = layer_names(0, g.layer_ids)
-        from_hf = geometry_from_hf(cfg, sliding=name == "swa", layer_names=names, tp_size=1, page_size=16, dtype="bfloat16")
+        from_hf = geometry_from_hf(
+            cfg, sliding=name == "swa", layer_names=names, tp_size=1, page_size=16, dtype="bfloat16"
+        )
         if g.attention == "mla":  # vLLM's spec has the latent width only, not its split
             assert (mine.head_dim, mine.layer_ids) == (from_hf.head_dim, from_hf.layer_ids)
         else:

@@ -21,7 +21,17 @@ import torch  # noqa: E402
 from sidecar_util import start_sidecar  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm_env import FIXTURES, Engine, attention_spec, fill, make_engine, model_dir, sidecar_dir, start_worker, vllm_config  # noqa: E402
+from vllm_env import (  # noqa: E402
+    FIXTURES,
+    Engine,
+    attention_spec,
+    fill,
+    make_engine,
+    model_dir,
+    sidecar_dir,
+    start_worker,
+    vllm_config,
+)
 
 from hicache.api import Tier  # noqa: E402
 from hicache.client import HiCacheRpcError  # noqa: E402
@@ -83,7 +93,9 @@ def store(eng: Engine, manager: Any, keys: list[bytes], blocks: list[int], job: 
         out = manager.prepare_store(keys, CTX)
     sizes = [0] * len(eng.offloading_config.groups)
     sizes[group] = len(blocks)
-    eng.worker.submit_store(job, GPULoadStoreSpec(blocks, group_sizes=sizes, block_indices=[0] * len(sizes)), out.store_spec)
+    eng.worker.submit_store(
+        job, GPULoadStoreSpec(blocks, group_sizes=sizes, block_indices=[0] * len(sizes)), out.store_spec
+    )
     eng.worker.wait({job})
     (result,) = eng.worker.get_finished()
     with manager.lock:
@@ -91,7 +103,9 @@ def store(eng: Engine, manager: Any, keys: list[bytes], blocks: list[int], job: 
     return result
 
 
-def load(eng: Engine, manager: Any, keys: list[bytes], blocks: list[int], job: int, first: int = 0, group: int = 0) -> Any:
+def load(
+    eng: Engine, manager: Any, keys: list[bytes], blocks: list[int], job: int, first: int = 0, group: int = 0
+) -> Any:
     with manager.lock:
         src = manager.prepare_load(keys, CTX)
     sizes, starts = [0] * len(eng.offloading_config.groups), [0] * len(eng.offloading_config.groups)
