@@ -204,3 +204,20 @@ def test_specs_with_packed_or_quantized_cells_are_refused() -> None:
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, kv_quant_mode=modes[0])
     with pytest.raises(ValueError, match="packed or quantized cells"):
         geometry_from_spec(spec, 2)
+
+
+def test_plan_moves_pairs_blocks_with_chunk_pages_and_refuses_specs_that_do_not_cover() -> None:
+    from hicache.integrations.vllm.keys import page_key, plan_moves
+
+    full, swa = chunk_keys(2, group=0), chunk_keys(1, group=1)
+    # group 0: logical blocks 3..5 with 2 blocks per chunk = the second half of chunk 0, chunk 1
+    moves = plan_moves(full + swa, [10, 11, 12, 20], [3, 1], [3, 0], blocks_per_chunk=2)
+    assert [(m.group, m.blocks) for m in moves] == [(0, [10, 11, 12]), (1, [20])]
+    assert moves[0].keys == [page_key(full[0], 1), page_key(full[1], 0), page_key(full[1], 1)]
+    assert moves[1].keys == [page_key(swa[0], 0)]
+    with pytest.raises(ValueError, match="span 2 chunks, got 1 keys"):
+        plan_moves(full[:1], [10, 11, 12], [3], [0], blocks_per_chunk=2)
+    with pytest.raises(ValueError, match=r"keys of groups \[1\] have no blocks"):
+        plan_moves(full + swa, [10, 11, 12, 13], [4, 0], [0, 0], blocks_per_chunk=2)
+    with pytest.raises(ValueError, match="do not describe 2 blocks"):
+        plan_moves(full, [10, 11], [3], [0], blocks_per_chunk=2)
