@@ -15,11 +15,11 @@ from hicache.pools.layouts import Layout
 class MappedKVPool(DeviceKVPool):
     """A device pool whose pages are where the engine keeps them: copies address it through
     its EngineLayout's or BlockLayout's strides. It has no per-layer tensor views (layer_buffers raises):
-    the engine owns the tensors. CPU memory only."""
+    the engine owns the tensors. CPU memory, or CUDA memory opened by IPC (BlockLayout)."""
 
     def __init__(self, geometry: KVGeometry, layout: Layout, memory: SharedBuffer):
         FlatPool.__init__(self, geometry, layout, memory)
-        self.device = "cpu"
+        self.device = str(self.flat.device) if self.flat.is_cuda else "cpu"
         self._views = []
 
     def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:

@@ -22,7 +22,9 @@ def build_pool(
     with contextlib.ExitStack() as undo:
         device: DeviceKVPool
         if req.device_layout:
-            device = map_engine_layout(req.geometry, req.device_pages, req.device_memory, req.device_layout, fds)
+            device = map_engine_layout(
+                req.geometry, req.device_pages, req.device_memory, req.device_layout, fds, ipc, req.cuda_device
+            )
         else:
             device = map_device(req.geometry, req.device_pages, req.device_memory, req.cuda_device, ipc)
         undo.callback(device.close)

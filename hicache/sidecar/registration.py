@@ -63,9 +63,11 @@ class PoolRequest:
             raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
         if self.device_layout:
             check_engine_layout(self.device_layout)
-            if self.device_memory.kind not in ("fd", "shm"):
+            kinds = ("fd", "shm", "cuda_ipc") if self.device_layout.startswith(BlockLayout.PREFIX) else ("fd", "shm")
+            if self.device_memory.kind not in kinds:
                 raise ValueError(
-                    f"device layout {self.device_layout!r} needs CPU memory (fd or shm), got {self.device_memory.kind!r}"
+                    f"device layout {self.device_layout!r} needs memory of kind {' or '.join(kinds)}, "
+                    f"got {self.device_memory.kind!r}"
                 )
             return  # its size is checked against the memory when mapped
         if self.device_memory.kind == "fd":
@@ -101,12 +103,25 @@ def check_geometry(expected: dict[str, KVGeometry] | None, group: str, geometry:
 
 
 def map_engine_layout(
-    geometry: KVGeometry, pages: int, memory: MemoryHandle, layout: str, fds: FdStore
+    geometry: KVGeometry,
+    pages: int,
+    memory: MemoryHandle,
+    layout: str,
+    fds: FdStore,
+    ipc: CudaIpcOpens | None = None,
+    cuda_device: int = 0,
 ) -> MappedKVPool:
     """Map an engine's memory in its own layout: fds it sent (one segment, or one per buffer:
-    SGLang's K and V memfds) or shared memory by name. Raises ValueError for unknown fd ids,
-    a missing segment, or memory too small for the layout."""
-    if memory.kind == "fd":
+    SGLang's K and V memfds), shared memory by name, or (a BlockLayout: vLLM's allocation)
+    CUDA memory by IPC. Raises ValueError for unknown fd ids, a missing segment, or memory
+    too small for the layout."""
+    bases: tuple[int, ...] | None = None
+    if memory.kind == "cuda_ipc":
+        if ipc is None:
+            raise ValueError("CUDA IPC memory needs the sidecar's CUDA opens")
+        check_cuda_ipc(memory, cuda_device)
+        buf = ipc.open(memory, f"cuda:{cuda_device}")
+    elif memory.kind == "fd":
         buf, offsets = map_fds(fds.take(memory.name.split(",")), memory)
         if len(offsets) not in (1, len(geometry.buffers)):
             buf.close()

@@ -138,3 +138,14 @@ def test_sidecar_copies_an_engines_blocks_straight(served: str) -> None:
         del mem
         m.close()
         os.close(fd)
+
+
+def test_cuda_memory_in_an_engine_layout_needs_cuda_on_the_sidecar(served: str) -> None:
+    g = mimo_full(page_size=4)
+    cuda = MemoryHandle("cuda_ipc", 10 * g.page_bytes, ipc_handle=b"\x01" * 64)
+    with HiCacheClient(served) as client:
+        with pytest.raises(HiCacheRpcError, match="needs CUDA on the sidecar, and it has none"):
+            client.register_memory(g, 10, cuda, device_layout=block_layout_name(0, g.page_bytes_for(1), g.page_bytes))
+        with pytest.raises(HiCacheRpcError, match="'sglang_page_first' needs memory of kind fd or shm, got 'cuda_ipc'"):
+            client.register_memory(g, 10, cuda, device_layout="sglang_page_first")
+        assert client.stats(all_pools=True) == []  # nothing was left registered

@@ -20,31 +20,28 @@ from hicache.pools.layouts import block_layout_name
 
 @dataclass(frozen=True)
 class GroupMemory:
-    """One group's blocks: `fd` (the caller sends and then closes it) of `nbytes`, holding
-    num_blocks blocks in the BlockLayout `layout`."""
+    """One group's blocks: num_blocks blocks in the BlockLayout `layout`, in CPU memory behind
+    `fd` (the caller sends it, and closes it at the end) of `nbytes`, or (fd -1) in vLLM's
+    CUDA allocation exported as `cuda` on device `cuda_device`."""
 
     fd: int
     nbytes: int
     num_blocks: int
     layout: str
+    cuda: MemoryHandle | None = None
+    cuda_device: int = 0
 
     def handle(self, fd_id: str) -> MemoryHandle:
-        return MemoryHandle("fd", self.nbytes, name=fd_id)
+        return self.cuda if self.cuda is not None else MemoryHandle("fd", self.nbytes, name=fd_id)
 
 
 def group_memory(views: Sequence[torch.Tensor], group: int, packed_layer_bytes: int = 0) -> GroupMemory:
     """The memory of one group's per-layer views, in layer order; or, packed_layer_bytes > 0,
     of one view whose block holds every layer's page back to back, each of that many bytes
-    (vLLM's block-outermost layouts). Raises ValueError for CUDA
-    memory (not mapped by this adapter yet), memory the sidecar cannot map (private), or
-    layers that are not evenly spaced in one file."""
+    (vLLM's block-outermost layouts). Raises ValueError for memory the sidecar cannot map
+    (private CPU memory, CUDA memory outside one allocation), or layers that are not evenly
+    spaced in one allocation."""
     first = views[0]
-    if first.device.type != "cpu":
-        raise ValueError(
-            f"vLLM group {group} is on {first.device}: this adapter maps CPU KV memory in shared "
-            "files only; a CUDA KV cache needs the sidecar to map vLLM's allocation by CUDA IPC, "
-            "which it does not do yet"
-        )
     num_blocks, block_stride = first.shape[0], first.stride(0)
     addrs = [v.data_ptr() for v in views]
     layer_stride = addrs[1] - addrs[0] if len(addrs) > 1 else packed_layer_bytes
@@ -59,6 +56,8 @@ def group_memory(views: Sequence[torch.Tensor], group: int, packed_layer_bytes: 
             )
     if layer_stride < 0:
         raise ValueError(f"vLLM group {group}: layers lie in descending addresses")
+    if first.is_cuda:
+        return _cuda_memory(views, group, block_layout_name(0, layer_stride, block_stride))
     head = shared_file_of(addrs[0])
     try:
         last = shared_file_of(addrs[-1])
@@ -72,3 +71,18 @@ def group_memory(views: Sequence[torch.Tensor], group: int, packed_layer_bytes: 
     except BaseException:
         os.close(head.fd)
         raise
+
+
+def _cuda_memory(views: Sequence[torch.Tensor], group: int, strides_at_zero: str) -> GroupMemory:
+    """vLLM's CUDA allocation of the views, exported by CUDA IPC (torch's own export: the
+    caching allocator's segment handle and the storage's offset in it). Written for GPU
+    hosts; not run on CI, which has no GPU."""
+    storage = views[0].untyped_storage()
+    if any(v.untyped_storage().data_ptr() != storage.data_ptr() for v in views):
+        raise ValueError(f"vLLM group {group}: its layers are not in one CUDA allocation")
+    _device, ipc_handle, size, segment_offset, *_ = storage._share_cuda_()
+    _, _, layer_stride, block_stride = strides_at_zero.split(":")
+    offset = views[0].data_ptr() - storage.data_ptr()
+    handle = MemoryHandle("cuda_ipc", int(size), ipc_handle=bytes(ipc_handle), offset=int(segment_offset))
+    layout = block_layout_name(offset, int(layer_stride), int(block_stride))
+    return GroupMemory(-1, int(size), views[0].shape[0], layout, handle, views[0].device.index or 0)

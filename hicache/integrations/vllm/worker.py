@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -81,13 +82,14 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
     # ---- registration --------------------------------------------------------------------------
     def _register(self, link: GroupLink) -> None:
-        (fd_id,) = self.client.send_fds([link.memory.fd])
+        (fd_id,) = self.client.send_fds([link.memory.fd]) if link.memory.cuda is None else ("",)
         p = self.config.parallel
         info = self.client.register_memory(
             link.geometry,
             link.memory.num_blocks,
             link.memory.handle(fd_id),
             device_layout=link.memory.layout,
+            cuda_device=link.memory.cuda_device,
             namespace=self.options.namespace,
             model_id=self.model_id,
             group=link.name,
@@ -132,16 +134,20 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         moves = plan_moves(
             chunks.keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices, self.blocks_per_chunk
         )
+        ready = _stream_event() if any(link.memory.cuda is not None for link in self.links) else None
         pool = self._stores if store else self._loads
-        self._jobs[job_id] = pool.submit(self._run, job_id, moves, store)
+        self._jobs[job_id] = pool.submit(self._run, job_id, moves, store, ready)
         return True
 
-    def _run(self, job_id: int, moves: list[GroupMoves], store: bool) -> TransferResult:
-        """One job. A store always succeeds towards vLLM (vLLM 0.33 cannot take a failed job,
-        and a page the sidecar did not keep is only a later miss); a load succeeds only when
-        every page arrived."""
+    def _run(self, job_id: int, moves: list[GroupMoves], store: bool, ready: Any = None) -> TransferResult:
+        """One job, once vLLM's stream has passed `ready` (a CUDA event recorded at submit:
+        the forward that wrote a store's blocks, or the zeroing of a load's). A store always
+        succeeds towards vLLM (vLLM 0.33 cannot take a failed job, and a page the sidecar did
+        not keep is only a later miss); a load succeeds only when every page arrived."""
         start, nbytes, ok = time.perf_counter(), 0, True
         try:
+            if ready is not None:
+                ready.synchronize()
             for m in moves:
                 link = self.links[m.group]
                 for i in range(0, len(m.keys), BATCH):
@@ -184,3 +190,12 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 os.close(link.memory.fd)
                 link.memory = GroupMemory(-1, link.memory.nbytes, link.memory.num_blocks, link.memory.layout)
         self.client.close()
+
+
+def _stream_event() -> Any:
+    """A CUDA event recorded on vLLM's current stream (GPU hosts only; not run on CI)."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
