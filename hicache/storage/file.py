@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -93,10 +94,15 @@ class FileTier(StorageTier):
                     continue
                 try:
                     key = bytes.fromhex(entry.name[: -len(PAGE_SUFFIX)])
-                    st = entry.stat()
+                    st = entry.stat(follow_symlinks=False)
                 except (ValueError, OSError):
                     continue
-                if not key or len(key) > fmt.MAX_KEY_BYTES or st.st_size != fmt.stored_size(self.identity, key):
+                if (
+                    not stat.S_ISREG(st.st_mode)
+                    or not key
+                    or len(key) > fmt.MAX_KEY_BYTES
+                    or st.st_size != fmt.stored_size(self.identity, key)
+                ):
                     _unlink(entry.path)
                     self._count(corrupt=1)
                     continue
@@ -128,9 +134,19 @@ class FileTier(StorageTier):
             self._count(misses=1)
             return None
         path = self.path_of(key)
+        size = fmt.stored_size(self.identity, key)
         try:
-            with open(path, "rb") as f:
-                buf = bytearray(os.fstat(f.fileno()).st_size)
+            # O_NONBLOCK: a FIFO put in place of a page opens at once (and is refused below)
+            # instead of blocking the read; O_NOFOLLOW: a symlink fails with ELOOP
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != size:  # checked before allocating
+                    self._refuse(
+                        key, f"{path}: not a regular file of {size} bytes (mode {st.st_mode:o}, size {st.st_size})"
+                    )
+                    return None
+                buf = bytearray(size)
                 got = f.readinto(buf)
             os.utime(path)
         except FileNotFoundError:  # evicted or deleted meanwhile
@@ -140,6 +156,9 @@ class FileTier(StorageTier):
             self._count(misses=1)
             return None
         except OSError as e:
+            if e.errno == errno.ELOOP:  # a symlink in place of a page
+                self._refuse(key, f"{path} is a symlink")
+                return None
             self._error(f"read {path}: {e}")
             self._count(misses=1)
             return None
@@ -158,6 +177,12 @@ class FileTier(StorageTier):
                 self._index.move_to_end(key)
         self._count(hits=1, bytes_read=payload.nbytes)
         return payload
+
+    def _refuse(self, key: bytes, why: str) -> None:
+        """A page file that is not a page: deleted, counted corrupt, served as a miss."""
+        log.warning("file tier: %s; deleted", why)
+        self.delete(key, count=False)
+        self._count(misses=1, corrupt=1)
 
     # ---- writes -------------------------------------------------------------------------------
     def set(self, key: bytes, data: Buffer) -> bool:
