@@ -137,13 +137,28 @@ class RedisTier(StorageTier):
         if not qkeys:
             return []
 
-        def run() -> list[bool]:
+        def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             for q in qkeys:
-                pipe.exists(q)
-            return [not isinstance(n, Exception) and bool(n) for n in pipe.execute(raise_on_error=False)]
+                pipe.strlen(q)  # 0 when absent; WRONGTYPE for a value that is not a string
+            return list(pipe.execute(raise_on_error=False))
 
-        return self._call(run, [False] * len(keys))[0]
+        replies, _ = self._call(run, [0] * len(keys))
+        out, bad = [], []
+        for key, q, n in zip(keys, qkeys, replies, strict=True):
+            wrong = _wrong_type(n) or (isinstance(n, int) and n not in (0, fmt.stored_size(self.identity, key)))
+            if wrong:  # what Reload would refuse: gone now, so that Lookup and Reload agree
+                bad.append(q)
+            out.append(not wrong and isinstance(n, int) and n > 0)
+        self._drop_corrupt(bad)
+        return out
+
+    def _drop_corrupt(self, qkeys: list[bytes]) -> None:
+        """Values under our page keys that are not pages (another type, another size): deleted,
+        counted corrupt."""
+        if qkeys:
+            self._call(lambda: self._client.delete(*qkeys), 0)
+            self._count(corrupt=len(qkeys))
 
     def get(self, key: bytes) -> memoryview | None:
         return self.batch_get([key])[0]
@@ -161,11 +176,17 @@ class RedisTier(StorageTier):
                         pipe.get(q)
                     else:
                         pipe.getex(q, px=self.ttl_ms)
-                return [None if isinstance(r, Exception) else r for r in pipe.execute(raise_on_error=False)]
+                return list(pipe.execute(raise_on_error=False))
 
             blobs, _ = self._call(run, [None] * len(chunk))
+            wrong = [q for q, r in zip(chunk, blobs, strict=True) if _wrong_type(r)]
+            self._drop_corrupt(wrong)
+            self._count(misses=len(wrong))
             for key, blob in zip(keys[start : start + len(chunk)], blobs, strict=True):
-                out.append(self._decode(key, blob))
+                if not _wrong_type(blob):
+                    out.append(self._decode(key, None if isinstance(blob, Exception) else blob))
+                else:
+                    out.append(None)
         return out
 
     def _decode(self, key: bytes, blob: bytes | None) -> memoryview | None:
@@ -222,3 +243,10 @@ class RedisTier(StorageTier):
         if removed:
             self._count(deletes=1)
         return bool(removed)
+
+
+def _wrong_type(reply: Any) -> bool:
+    """A WRONGTYPE error reply: the key holds a list, hash, ... instead of a page."""
+    from redis.exceptions import ResponseError
+
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")

@@ -110,3 +110,35 @@ def test_reload_serves_the_prefix_before_a_hostile_file_and_sigterm_still_stops(
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)  # the server's grace period is well under this
     assert proc.returncode is not None
+
+
+@pytest.mark.parametrize("value", ["list", "short_string", "hash"])
+def test_a_redis_value_that_is_not_a_page_makes_lookup_and_get_agree(tmp_path: Path, value: str) -> None:
+    import redis
+    from tier_helpers import RedisServer
+
+    from hicache.storage.redis import RedisTier
+
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        tier = RedisTier(identity(G), server.url)
+        assert tier.batch_set([(key(i), payload(G, i)) for i in range(3)]) == [True] * 3
+        raw = redis.Redis.from_url(server.url)
+        q = tier.qualified(key(1))
+        raw.delete(q)
+        if value == "list":
+            raw.rpush(q, b"a", b"b")
+        elif value == "hash":
+            raw.hset(q, "f", "v")
+        else:
+            raw.set(q, b"not a page")
+        assert tier.batch_contains([key(0), key(1), key(2)]) == [True, False, True]  # never "present"
+        assert not raw.exists(q)  # ours to delete: it was under our page key
+        assert tier.stats().corrupt == 1
+        raw.rpush(q, b"again")  # and get() answers the same way
+        assert tier.get(key(1)) is None and not raw.exists(q)
+        assert tier.stats().corrupt == 2
+        assert bytes(tier.get(key(2))) == payload(G, 2)
+    finally:
+        server.stop()
