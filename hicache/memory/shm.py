@@ -3,6 +3,7 @@ mapped by name in another process, and unlinked on close, at exit and on SIGTERM
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -35,8 +36,12 @@ def create_shm(nbytes: int) -> SharedBuffer:
     try:
         os.fchmod(fd, 0o600)  # exactly owner read/write, whatever the umask
         os.ftruncate(fd, nbytes)
-    finally:
+        _reserve(fd, nbytes)
+    except BaseException:
         os.close(fd)
+        _unlink(path)
+        raise
+    os.close(fd)
     _LIVE_SEGMENTS.add(path)
     _unlink_on_sigterm()
     try:
@@ -46,6 +51,20 @@ def create_shm(nbytes: int) -> SharedBuffer:
         _release_segment(path)
         raise
     return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: _release_segment(path))
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate the segment's pages now, so that a full tmpfs fails here with OSError ENOSPC
+    instead of a SIGBUS when a page is first touched (Docker's default /dev/shm is 64 MiB).
+    A file system without fallocate is left to the zeroing that follows."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return
+        raise OSError(
+            exc.errno, f"shared memory of {nbytes} bytes does not fit in {shm_dir()}: {exc.strerror}"
+        ) from None
 
 
 # Segments this process created and has not unlinked yet. A set's add/discard/copy are atomic

@@ -11,7 +11,9 @@ Errors follow hicache.sidecar.errors: ValueError / UnknownId (a KeyError) / Stat
 
 from __future__ import annotations
 
+import errno
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -53,6 +55,7 @@ class HiCacheService:
         self._pools = PoolTable(config.lease_timeout_s, config.max_pools, clock)
         self._requests = RequestCache(config.request_cache_size)
         self._ipc = CudaIpcOpens()
+        self._space_lock = threading.Lock()  # one pool at a time checks /dev/shm and reserves in it
 
     # ---- registration -----------------------------------------------------------------------
     def register(
@@ -104,10 +107,16 @@ class HiCacheService:
             return self._refuse(refusal)
         if req.device_memory.kind == "shm" and req.device_memory.name in self._pools.host_shm_names():
             raise ValueError(f"device memory {req.device_memory.name!r} is one of this sidecar's host pools")
-        free = shutil.disk_usage(shm_dir()).free
-        if host_bytes > free:
-            return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
-        pool = build_pool(req, host_pages, self.config, self._ipc, self.fds)
+        with self._space_lock:  # the free-space check and the segment's reservation are one step
+            free = shutil.disk_usage(shm_dir()).free
+            if host_bytes > free:
+                return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
+            try:
+                pool = build_pool(req, host_pages, self.config, self._ipc, self.fds)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                    raise
+                return NoSpace(f"host pool of {host_pages} pages ({host_bytes} bytes): {exc.strerror}")
         refusal = self._pools.add(pool)
         if refusal:
             pool.close()
