@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,11 +30,24 @@ class MemoryHandle:
 class SharedBuffer:
     """A flat uint8 tensor plus what it takes to share and release it."""
 
-    def __init__(self, tensor: torch.Tensor, handle: MemoryHandle, release: Callable[[], None]):
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        handle: MemoryHandle,
+        release: Callable[[], None],
+        damage: Callable[[], str | None] | None = None,
+    ):
         assert tensor.dtype == torch.uint8 and tensor.dim() == 1 and tensor.numel() == handle.nbytes
         self.tensor = tensor
         self.handle = handle
+        self._damage = damage
         self._finalizer = weakref.finalize(self, release)
+
+    def damage(self) -> str | None:
+        """What another process changed under this mapping (a file shrunk below the mapped
+        size, whose pages would fault with SIGBUS), or None. Memory this process owns, and
+        mappings that cannot shrink, have nothing to report."""
+        return None if self._damage is None else self._damage()
 
     @property
     def nbytes(self) -> int:
@@ -63,3 +78,27 @@ def wrap_tensor(tensor: torch.Tensor) -> SharedBuffer:
     if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
         raise ValueError(f"expected a contiguous 1-D uint8 tensor, got {tensor.dtype} {tuple(tensor.shape)}")
     return SharedBuffer(tensor, MemoryHandle("local", tensor.numel()), lambda: None)
+
+
+def shrunk(fds: list[int], sizes: list[int], what: str) -> Callable[[], str | None]:
+    """A damage check for files mapped from `fds` (kept open by the caller): the first one
+    now smaller than the size that was mapped."""
+
+    def check() -> str | None:
+        for fd, size in zip(fds, sizes, strict=True):
+            now = os.fstat(fd).st_size
+            if now < size:
+                return f"{what} shrank from {size} to {now} bytes under the sidecar"
+        return None
+
+    return check
+
+
+def seal_shrink(fd: int) -> bool:
+    """Forbid shrinking a memfd (F_SEAL_SHRINK), so that its mapping can never fault; False
+    for a file that cannot be sealed (no MFD_ALLOW_SEALING, a /dev/shm file)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        return True
+    except (OSError, AttributeError):
+        return False

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hicache.memory.buffer import MemoryHandle, SharedBuffer
+from hicache.memory.buffer import MemoryHandle, SharedBuffer, seal_shrink, shrunk
 
 MAX_FDS = 16
 _MAGIC = b"HCFD1"
@@ -201,7 +201,19 @@ def map_fds(fds: Sequence[int], handle: MemoryHandle) -> tuple[SharedBuffer, lis
         for fd in fds:
             os.close(fd)
         raise
+    # memfds are sealed against shrinking where the engine allowed sealing; the others stay
+    # open so that each transfer first checks their size (a shrunk file would fault: SIGBUS)
+    watched = [(fd, size) for fd, size in zip(fds, sizes, strict=True) if not seal_shrink(fd)]
+    kept = [fd for fd, _ in watched]
     for fd in fds:
-        os.close(fd)  # the mappings stay
+        if fd not in kept:
+            os.close(fd)
+
+    def release() -> None:
+        _libc.munmap(base, total)
+        for fd in kept:
+            os.close(fd)
+
+    damage = shrunk(kept, [size for _, size in watched], "the engine's memory (fd)") if kept else None
     tensor = torch.frombuffer((ctypes.c_uint8 * total).from_address(base), dtype=torch.uint8)
-    return SharedBuffer(tensor, handle, lambda: _libc.munmap(base, total)), offsets
+    return SharedBuffer(tensor, handle, release, damage), offsets

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from hicache.memory.buffer import MemoryHandle, SharedBuffer, check_nbytes
+from hicache.memory.buffer import MemoryHandle, SharedBuffer, check_nbytes, shrunk
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 SHM_PREFIX = "hicache-"
@@ -119,9 +119,12 @@ def open_shm(name: str, nbytes: int) -> SharedBuffer:
             raise ValueError(f"shared memory {name!r} holds {st.st_size} bytes, expected {nbytes}")
         source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path  # Linux: the open file
         tensor = torch.from_file(source, shared=True, size=nbytes, dtype=torch.uint8)
-    finally:
-        os.close(fd)  # the mapping stays
-    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: None)
+    except BaseException:
+        os.close(fd)
+        raise
+    # the fd stays open so that a transfer can first check that the owner has not shrunk it
+    damage = shrunk([fd], [nbytes], f"shared memory {name!r}")
+    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: os.close(fd), damage)
 
 
 def _unlink(path: str) -> None:

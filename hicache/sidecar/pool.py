@@ -89,6 +89,14 @@ class RegisteredPool:
     def check_pages(self, device_pages: Sequence[int], n: int) -> list[int]:
         return check_pages(device_pages, n, self.device.num_pages)
 
+    def check_device(self) -> None:
+        """Raises StateError when the engine changed its memory under the sidecar (a shared file
+        shrunk below the mapped size): copying would fault the whole sidecar (SIGBUS). Only
+        this pool's calls fail; the engine must register again."""
+        problem = self.device.memory.damage()
+        if problem:
+            raise StateError(f"pool {self.identity.pool_id}: {problem}; register the pool again")
+
     # ---- transfers ------------------------------------------------------------------------
     def offload(self, keys: Sequence[bytes], device_pages: Sequence[int]) -> TransferResult:
         """Copy device_pages[i] to host under keys[i]. A key already on host (or being filled)
@@ -96,6 +104,7 @@ class RegisteredPool:
         keys get stored). The write policy then decides what goes to storage."""
         ks = self.check_keys(keys, unique=True)
         pages = self.check_pages(device_pages, len(ks))
+        self.check_device()
         with self._in_flight():
             return self._offload(ks, pages)
 
@@ -134,6 +143,7 @@ class RegisteredPool:
         """
         ks = self.check_keys(keys, unique=True)
         pages = self.check_pages(device_pages, len(ks))
+        self.check_device()
         with self._in_flight():
             return self._reload(ks, pages, layerwise)
 

@@ -4,13 +4,17 @@ mount namespace with a small tmpfs on /dev/shm."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,3 +87,88 @@ def test_two_registrations_on_a_shm_that_holds_one_host_pool_refuse_one_and_neve
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-3000:])  # -7 would be SIGBUS
     assert out.stdout.splitlines()[-1] == "ok", out.stdout
     assert re.search(r"needs \d+ bytes, /dev/shm has \d+ free|does not fit in /dev/shm", out.stdout), out.stdout
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="hc")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _memfd_engine(g: Any, pages: int, flags: int) -> tuple[int, Any]:
+    fd = os.memfd_create("engine-kv", os.MFD_CLOEXEC | flags)
+    os.ftruncate(fd, g.layer_num * pages * g.page_bytes_for(1))
+    return fd, mmap.mmap(fd, os.fstat(fd).st_size)
+
+
+def test_an_engine_that_shrinks_its_memory_gets_an_error_and_nobody_else_notices(sockdir: str) -> None:
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    from sidecar_util import filled_device, keys_for, mimo_full, start_sidecar
+
+    from hicache.api import KeyStatus
+    from hicache.client import HiCacheClient, HiCacheRpcError
+    from hicache.memory import MemoryHandle, shm_dir
+    from hicache.pools.layouts import block_layout_name
+
+    proc, address = start_sidecar(sockdir)
+    g, pages = mimo_full(), 4
+    victim, bystander = filled_device(pages, seed=1), filled_device(pages, seed=2)
+    a, b, c = (HiCacheClient(address, timeout=20) for _ in range(3))
+    fd, mem = _memfd_engine(g, pages, 0)  # a memfd that cannot be sealed (SGLang's, vLLM's)
+    try:
+        a.register(victim, model_id="m")
+        b.register(bystander, model_id="m")
+        (fd_id,) = c.send_fds([fd])
+        layout = block_layout_name(0, pages * g.page_bytes_for(1), g.page_bytes_for(1))
+        c.register_memory(
+            g, pages, MemoryHandle("fd", os.fstat(fd).st_size, name=fd_id), device_layout=layout, model_id="m"
+        )
+        os.truncate(os.path.join(shm_dir(), victim.handle.name), 0)  # the engine shrinks its own segment
+        os.ftruncate(fd, 0)
+        for client in (a, c):
+            with pytest.raises(HiCacheRpcError, match=r"FAILED_PRECONDITION: .*shrank from \d+ to 0 bytes"):
+                client.offload(keys_for(2, seed=3), [0, 1])
+            with pytest.raises(HiCacheRpcError, match="shrank"):
+                client.reload(keys_for(2, seed=3), [0, 1])
+        keys = keys_for(2, seed=4)  # the other tenant's cache works on
+        assert b.offload(keys, [0, 1]).statuses == (KeyStatus.STORED,) * 2
+        assert b.reload(keys, [2, 3]).statuses == (KeyStatus.LOADED,) * 2
+        assert proc.poll() is None
+    finally:
+        for client in (a, b, c):
+            client.close()
+        mem.close()
+        os.close(fd)
+        bystander.close()
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_a_memfd_that_allows_sealing_is_sealed_against_shrinking(sockdir: str) -> None:
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    from sidecar_util import keys_for, mimo_full, start_sidecar
+
+    from hicache.api import KeyStatus
+    from hicache.client import HiCacheClient
+    from hicache.memory import MemoryHandle
+    from hicache.pools.layouts import block_layout_name
+
+    proc, address = start_sidecar(sockdir)
+    g, pages = mimo_full(), 4
+    fd, mem = _memfd_engine(g, pages, os.MFD_ALLOW_SEALING)
+    try:
+        with HiCacheClient(address, timeout=20) as client:
+            (fd_id,) = client.send_fds([fd])
+            layout = block_layout_name(0, pages * g.page_bytes_for(1), g.page_bytes_for(1))
+            client.register_memory(
+                g, pages, MemoryHandle("fd", os.fstat(fd).st_size, name=fd_id), device_layout=layout, model_id="m"
+            )
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 0)  # the sidecar's seal: the mapping can never fault
+            assert client.offload(keys_for(1, seed=5), [0]).statuses == (KeyStatus.STORED,)
+    finally:
+        mem.close()
+        os.close(fd)
+        proc.terminate()
+        proc.wait(timeout=60)
