@@ -22,7 +22,7 @@ from hicache.memory.cuda import (
 )
 from hicache.memory.fd import FdStore, fd_socket_path, map_fds, segment_offsets, send_fds, serve_fds
 from hicache.memory.maps import MappedFile, shared_file_of
-from hicache.memory.shm import SHM_PREFIX, create_shm, open_shm, shm_dir
+from hicache.memory.shm import SHM_PREFIX, create_shm, open_shm, shm_dir, sweep_dead_segments
 
 __all__ = [
     "SHM_PREFIX",
@@ -48,5 +48,6 @@ __all__ = [
     "serve_fds",
     "shared_file_of",
     "shm_dir",
+    "sweep_dead_segments",
     "wrap_tensor",
 ]

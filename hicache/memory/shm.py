@@ -1,5 +1,11 @@
 """POSIX shared memory: segments under /dev/shm (mode 0600, unpredictable names), created,
-mapped by name in another process, and unlinked on close, at exit and on SIGTERM."""
+mapped by name in another process, and unlinked on close, at exit and on SIGTERM.
+
+A segment's name says who made it: hicache-<pid namespace>-<pid>-<start time>-<96 random
+bits>. A process killed with SIGKILL cannot unlink its segments, so sweep_dead_segments()
+(run by the sidecar at start-up and at each registration) removes those whose owner, in
+this pid namespace, is gone; owners in other pid namespaces (other containers sharing the
+IPC namespace) are never judged."""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from hicache.memory.buffer import MemoryHandle, SharedBuffer, check_nbytes, shru
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 SHM_PREFIX = "hicache-"
+_OWNED_RE = re.compile(r"^hicache-(\d+)-(\d+)-(\d+)-[0-9a-f]{24}$")
 
 
 def shm_dir() -> str:
@@ -30,7 +37,8 @@ def create_shm(nbytes: int) -> SharedBuffer:
     unpredictable name (96 random bits), unlinked on close, at exit, and on a SIGTERM the
     process does not handle itself (see _unlink_on_sigterm)."""
     check_nbytes(nbytes)
-    name = SHM_PREFIX + secrets.token_hex(12)
+    ns, pid, start = _owner()
+    name = f"{SHM_PREFIX}{ns}-{pid}-{start}-{secrets.token_hex(12)}"
     path = os.path.join(shm_dir(), name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -51,6 +59,52 @@ def create_shm(nbytes: int) -> SharedBuffer:
         _release_segment(path)
         raise
     return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: _release_segment(path))
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), or None
+    when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    return int(stat_line.rsplit(")", 1)[1].split()[19])  # fields after "(comm)" start at 3
+
+
+def _owner() -> tuple[int, int, int]:
+    pid = os.getpid()
+    return _pid_namespace(), pid, _start_time(pid) or 0
+
+
+def sweep_dead_segments() -> list[str]:
+    """Unlink the segments of processes of this pid namespace that are gone (killed before
+    they could unlink them); returns their names. A pid reused by a newer process has another
+    start time, so its predecessor's segments go too. Never raises."""
+    ns = _pid_namespace()
+    if not ns:
+        return []
+    removed = []
+    try:
+        names = os.listdir(shm_dir())
+    except OSError:
+        return []
+    for name in names:
+        m = _OWNED_RE.match(name)
+        if not m or int(m.group(1)) != ns:
+            continue
+        pid, start = int(m.group(2)), int(m.group(3))
+        if _start_time(pid) != start:
+            _unlink(os.path.join(shm_dir(), name))
+            removed.append(name)
+    return removed
 
 
 def _reserve(fd: int, nbytes: int) -> None:

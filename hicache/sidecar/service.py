@@ -12,6 +12,7 @@ Errors follow hicache.sidecar.errors: ValueError / UnknownId (a KeyError) / Stat
 from __future__ import annotations
 
 import errno
+import logging
 import shutil
 import threading
 import time
@@ -29,7 +30,7 @@ from hicache.api import (
 )
 from hicache.cache.prefetch import PrefetchHandle
 from hicache.geometry import KVGeometry
-from hicache.memory import CudaIpcOpens, FdStore, MemoryHandle, shm_dir
+from hicache.memory import CudaIpcOpens, FdStore, MemoryHandle, shm_dir, sweep_dead_segments
 from hicache.sidecar.config import ServiceConfig
 from hicache.sidecar.errors import NoSpace, StateError
 from hicache.sidecar.health import degraded_but_serving, storage_health
@@ -39,6 +40,8 @@ from hicache.sidecar.pool_factory import build_pool
 from hicache.sidecar.pool_table import PoolTable
 from hicache.sidecar.registration import PoolRequest, check_geometry
 from hicache.sidecar.request_cache import RequestCache, fingerprint
+
+log = logging.getLogger("hicache.sidecar")
 
 
 class HiCacheService:
@@ -56,6 +59,7 @@ class HiCacheService:
         self._requests = RequestCache(config.request_cache_size)
         self._ipc = CudaIpcOpens()
         self._space_lock = threading.Lock()  # one pool at a time checks /dev/shm and reserves in it
+        _sweep()
 
     # ---- registration -----------------------------------------------------------------------
     def register(
@@ -108,6 +112,7 @@ class HiCacheService:
         if req.device_memory.kind == "shm" and req.device_memory.name in self._pools.host_shm_names():
             raise ValueError(f"device memory {req.device_memory.name!r} is one of this sidecar's host pools")
         with self._space_lock:  # the free-space check and the segment's reservation are one step
+            _sweep()
             free = shutil.disk_usage(shm_dir()).free
             if host_bytes > free:
                 return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
@@ -276,3 +281,11 @@ class HiCacheService:
     def check_integrity(self) -> None:
         for pool in self._pools.check_integrity():
             pool.check_integrity()
+
+
+def _sweep() -> None:
+    """Remove the shared memory of processes killed before they could (kill -9 of an engine
+    or of an earlier sidecar)."""
+    gone = sweep_dead_segments()
+    if gone:
+        log.warning("removed %d shared-memory segments of dead processes: %s", len(gone), ", ".join(gone[:8]))

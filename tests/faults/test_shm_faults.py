@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -172,3 +173,78 @@ def test_a_memfd_that_allows_sealing_is_sealed_against_shrinking(sockdir: str) -
         os.close(fd)
         proc.terminate()
         proc.wait(timeout=60)
+
+
+ENGINE = textwrap.dedent(
+    """
+    import sys, time
+    sys.path[:0] = [{root!r}, {tests!r}]
+    from sidecar_util import filled_device
+    from hicache.client import HiCacheClient
+    dev = filled_device(2, seed=1)
+    client = HiCacheClient({address!r}, timeout=20)
+    client.register(dev, model_id="m")
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _segments() -> set[str]:
+    from hicache.memory import SHM_PREFIX, shm_dir
+
+    return {n for n in os.listdir(shm_dir()) if n.startswith(SHM_PREFIX)}
+
+
+def _settle(want: set[str], timeout: float = 60.0) -> set[str]:
+    deadline = time.monotonic() + timeout
+    while _segments() != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _segments()
+
+
+def test_kill_9_loops_of_sidecars_and_engines_leave_no_shared_memory_behind(sockdir: str) -> None:
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    from sidecar_util import filled_device, start_sidecar
+
+    from hicache.client import HiCacheClient
+    from hicache.client.health import check_health
+
+    def healthy(address: str) -> None:
+        deadline = time.monotonic() + 60
+        while check_health(address) != "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    from hicache.memory import sweep_dead_segments
+
+    sweep_dead_segments()  # what earlier runs' dead processes left
+    before = _segments()
+    dev = filled_device(2, seed=2)  # this test's own engine segment, alive throughout
+    for _ in range(5):  # the sidecar killed with its host pool mapped
+        proc, address = start_sidecar(sockdir, "--lease-timeout", "1")
+        with HiCacheClient(address, timeout=20) as client:
+            client.register(dev, model_id="m")
+            proc.kill()
+            proc.wait(timeout=30)
+    proc, address = start_sidecar(sockdir, "--lease-timeout", "1")
+    try:
+        healthy(address)  # its start-up swept the dead sidecars' host pools
+        assert _settle(before | {dev.handle.name}) == before | {dev.handle.name}
+        script = Path(sockdir, "engine.py")
+        script.write_text(ENGINE.format(root=str(ROOT), tests=str(ROOT / "tests"), address=address))
+        for _ in range(5):  # engines killed with their device pools registered
+            engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+            assert engine.stdout is not None and engine.stdout.readline().strip() == "ready"
+            engine.kill()
+            engine.wait(timeout=30)
+        with HiCacheClient(address, timeout=20) as client:  # a registration sweeps dead owners
+            info = client.register(dev, model_id="m")
+            mine = before | {dev.handle.name, info.host_shm_name}
+            # the engines' device segments went at once, their host pools when their leases ran out
+            assert _settle(mine) == mine
+        assert _settle(before | {dev.handle.name}) == before | {dev.handle.name}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        dev.close()
+    assert _settle(before, 10) == before

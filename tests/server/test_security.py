@@ -54,7 +54,7 @@ def test_shared_memory_is_0600_unpredictable_and_unlinked_on_close():
     a, b = create_shm(4096), create_shm(4096)
     names = [a.handle.name, b.handle.name]
     for name in names:
-        assert re.fullmatch(r"hicache-[0-9a-f]{24}", name)  # 96 random bits
+        assert re.fullmatch(rf"hicache-\d+-{os.getpid()}-\d+-[0-9a-f]{{24}}", name)  # owner + 96 random bits
         assert stat.S_IMODE(os.stat(os.path.join("/dev/shm", name)).st_mode) == 0o600
     assert names[0] != names[1]
     a.close()
