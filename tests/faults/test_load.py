@@ -76,3 +76,17 @@ def test_main_reports_json(capsys):
     )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["ok"] and out["operations"] == 60 and set(out["latency_all"]) == {"n", "p50_ms", "p99_ms", "p999_ms"}
+
+
+def test_short_chaos_run_serves_no_damaged_page_and_only_the_hostile_engine_errs(capsys):  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(BENCH.parent))
+    spec = importlib.util.spec_from_file_location("bench_chaos", BENCH.parent / "chaos.py")
+    assert spec is not None and spec.loader is not None
+    chaos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chaos)
+    rc = chaos.main(["--clients", "3", "--ops", "600", "--faults", "24", "--fault-every", "0.02", "--json"])
+    report = __import__("json").loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0, report
+    assert report["mismatches"] == [] and report["honest_errors"] == {} and report["sidecar_alive"]
+    assert report["hostile_engine"] == {"FAILED_PRECONDITION": 20}
+    assert sum(report["faults_injected"].values()) > 0
