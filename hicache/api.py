@@ -48,6 +48,7 @@ class PoolInfo:
     key_hash: str
     key_bytes: int
     lease_timeout_s: float
+    pool_secret: str = ""  # required (as call metadata) by every later call naming the pool
 
 
 @dataclass(frozen=True)

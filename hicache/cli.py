@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", formatter_class=fmt, help="print the stats of every pool on a running sidecar")
     _add_target(stats)
     stats.add_argument("--token", default=None, help="shared token (unset: $HICACHE_TOKEN; never shown here)")
+    stats.add_argument(
+        "--admin-token",
+        default=None,
+        help="the sidecar's --admin-token (unset: $HICACHE_ADMIN_TOKEN; never shown here)",
+    )
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -76,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         from hicache.client.stats_cli import print_stats
 
         return print_stats(
-            args.target, token=args.token or os.environ.get("HICACHE_TOKEN"), as_json=args.json, timeout=args.timeout
+            args.target,
+            token=args.token or os.environ.get("HICACHE_TOKEN"),
+            admin_token=args.admin_token or os.environ.get("HICACHE_ADMIN_TOKEN"),
+            as_json=args.json,
+            timeout=args.timeout,
         )
     except (ValueError, OSError) as exc:
         print(f"hicache: error: {exc}", file=sys.stderr)

@@ -160,7 +160,7 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
         interceptors=interceptors,
         options=options,
     )
-    add_servicer(HiCacheServicer(service), server)  # undecodable requests: INVALID_ARGUMENT
+    add_servicer(HiCacheServicer(service, config.admin_token), server)  # undecodable requests: INVALID_ARGUMENT
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

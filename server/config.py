@@ -29,6 +29,7 @@ class ServerConfig:
     socket: str = field(default_factory=default_socket_path)
     listen: str | None = None
     token: str | None = None
+    admin_token: str | None = None  # stats of all pools (every pool's id and namespace) need it
     insecure: bool = False
     service: ServiceConfig = field(default_factory=ServiceConfig)
     grace_s: float = 10.0
@@ -58,6 +59,8 @@ class ServerConfig:
         check_tls(self.listen, self.tls_cert, self.tls_key, self.tls_client_ca)
         if self.token is not None and not self.token:
             raise ValueError("token must be non-empty")
+        if self.admin_token is not None and not self.admin_token:
+            raise ValueError("admin token must be non-empty")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.health_interval_s <= 0:
@@ -104,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen", default=None, metavar="HOST:PORT", help="also listen on TCP (needs --token or --insecure)"
     )
     p.add_argument("--token", default=None, help="shared token callers must send")
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help="token for stats of all pools (hicache stats); without it only a pool's owner sees it",
+    )
     p.add_argument("--insecure", action="store_true", help="allow --listen without a token")
     p.add_argument("--model-config", default=None, help="HF config.json; engines must register its geometry")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size: KV heads per rank follow it")
@@ -169,6 +177,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         socket=args.socket or default_socket_path(),
         listen=args.listen,
         token=args.token,
+        admin_token=args.admin_token,
         insecure=args.insecure,
         service=service,
         grace_s=args.grace,

@@ -8,6 +8,7 @@ else -> INTERNAL. Authentication is the interceptor's job (server/auth.py).
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
@@ -38,6 +39,8 @@ def abort_for(exc: BaseException, context: grpc.ServicerContext) -> NoReturn:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     if isinstance(exc, Exhausted):
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, Forbidden):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
     log.exception("internal error", exc_info=exc)
     context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
     raise AssertionError("context.abort raises")
@@ -54,9 +57,35 @@ def _mapped(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+POOL_SECRET = "x-hicache-pool-secret"
+ADMIN_TOKEN = "x-hicache-admin-token"
+
+
+class Forbidden(Exception):
+    """A call naming a pool without its secret, or all pools without the admin token."""
+
+
 class HiCacheServicer(pb_grpc.HiCacheServicer):
-    def __init__(self, service: HiCacheService):
+    """Pools belong to whoever registered them: every call naming a pool must carry the pool's
+    secret (RegisterPool's pool_secret) as metadata, or gets PERMISSION_DENIED; stats of all
+    pools need the admin token (--admin-token)."""
+
+    def __init__(self, service: HiCacheService, admin_token: str | None = None):
         self.service = service
+        self.admin_token = admin_token
+
+    def _own(self, pool_id: str, context: grpc.ServicerContext) -> None:
+        """Raises Forbidden unless the call carries pool_id's secret (UnknownId for no such pool)."""
+        given = _metadata(context, POOL_SECRET)
+        if not self.service.owns(pool_id, given):
+            raise Forbidden(f"pool {pool_id!r}: {'wrong' if given else 'missing'} pool secret ({POOL_SECRET})")
+
+    def _admin(self, context: grpc.ServicerContext) -> None:
+        if self.admin_token is None:
+            raise Forbidden("stats of all pools need the sidecar's --admin-token; name your own pool instead")
+        given = _metadata(context, ADMIN_TOKEN)
+        if not hmac.compare_digest(given.encode(), self.admin_token.encode()):
+            raise Forbidden(f"stats of all pools: {'wrong' if given else 'missing'} admin token ({ADMIN_TOKEN})")
 
     @_mapped
     def RegisterPool(self, request: pb.RegisterPoolRequest, context: grpc.ServicerContext) -> pb.RegisterPoolResponse:
@@ -88,26 +117,31 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             key_hash=info.key_hash,
             key_bytes=info.key_bytes,
             lease_timeout_s=info.lease_timeout_s,
+            pool_secret=info.pool_secret,
         )
 
     @_mapped
     def UnregisterPool(
         self, request: pb.UnregisterPoolRequest, context: grpc.ServicerContext
     ) -> pb.UnregisterPoolResponse:
+        self._own(request.pool_id, context)
         self.service.unregister(request.request_id, request.pool_id)
         return pb.UnregisterPoolResponse()
 
     @_mapped
     def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveResponse:
+        self._own(request.pool_id, context)
         return pb.KeepAliveResponse(lease_timeout_s=self.service.keep_alive(request.pool_id))
 
     @_mapped
     def Offload(self, request: pb.OffloadRequest, context: grpc.ServicerContext) -> pb.OffloadResponse:
+        self._own(request.pool_id, context)
         r = self.service.offload(request.request_id, request.pool_id, list(request.keys), list(request.device_pages))
         return pb.OffloadResponse(statuses=convert.statuses_to_pb(r.statuses), bytes_copied=r.bytes_copied)
 
     @_mapped
     def Reload(self, request: pb.ReloadRequest, context: grpc.ServicerContext) -> pb.ReloadResponse:
+        self._own(request.pool_id, context)
         r = self.service.reload(
             request.request_id,
             request.pool_id,
@@ -121,6 +155,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     @_mapped
     def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
+        self._own(request.pool_id, context)
         r = self.service.prefetch(request.request_id, request.pool_id, list(request.keys), request.policy)
         return pb.PrefetchResponse(
             statuses=convert.statuses_to_pb(r.statuses), op_id=r.op_id, done=r.done, timed_out=r.timed_out
@@ -128,25 +163,33 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     @_mapped
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
+        self._own(request.pool_id, context)
         r = self.service.evict(request.request_id, request.pool_id, list(request.keys), request.num_pages)
         return pb.EvictResponse(statuses=convert.statuses_to_pb(r.statuses), pages_freed=r.pages_freed)
 
     @_mapped
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        self._own(request.pool_id, context)
         return convert.lookup_to_pb(self.service.lookup(request.pool_id, list(request.keys)))
 
     @_mapped
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        self._own(request.pool_id, context)
         statuses = self.service.pin(request.request_id, request.pool_id, list(request.keys))
         return pb.PinResponse(statuses=convert.statuses_to_pb(statuses))
 
     @_mapped
     def Unpin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        self._own(request.pool_id, context)
         statuses = self.service.unpin(request.request_id, request.pool_id, list(request.keys))
         return pb.PinResponse(statuses=convert.statuses_to_pb(statuses))
 
     @_mapped
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
+        if request.pool_id:
+            self._own(request.pool_id, context)
+        else:
+            self._admin(context)
         pools = self.service.stats(request.pool_id)
         return pb.GetStatsResponse(
             pools=[convert.stats_to_pb(s) for s in pools], ops_in_flight=sum(s.ops_in_flight for s in pools)
@@ -154,8 +197,16 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
         try:
+            self._own(request.pool_id, context)
             events = self.service.watch(request.pool_id, request.op_id, cancelled=lambda: not context.is_active())
         except Exception as exc:
             abort_for(exc, context)
         for event in events:
             yield convert.event_to_pb(request.op_id, event)
+
+
+def _metadata(context: grpc.ServicerContext, name: str) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == name:
+            return value if isinstance(value, str) else value.decode()
+    return ""

@@ -114,3 +114,20 @@ def start_sidecar(
         stderr=subprocess.STDOUT,
     )
     return proc, f"unix://{sock}"
+
+
+class SecretStub:
+    """A raw HiCache stub whose every call carries one pool's secret (x-hicache-pool-secret),
+    as HiCacheClient sends it for the pool a call names."""
+
+    def __init__(self, stub: object, secret: str):
+        self._stub, self.secret = stub, secret
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self._stub, name)
+
+        def call(request: object, **kw: object) -> object:
+            extra = tuple(kw.pop("metadata", ()))  # type: ignore[arg-type]
+            return method(request, metadata=(*extra, ("x-hicache-pool-secret", self.secret)), **kw)
+
+        return call

@@ -11,8 +11,10 @@
 One registration covers one KV group (one KVGeometry). A hybrid model registers each
 group's pool (group="full", group="swa") and passes pool=... to the other calls; calls
 without pool= go to the most recently registered pool. Keys are bytes, namespaces str.
-Lookup, prefetch, watch, pin and unpin also take another client's pool id (a vLLM scheduler
-reads the pools its worker processes registered). Every call has a deadline (`timeout` s); mutating calls carry a request id and are retried
+A pool belongs to the client that registered it: every call naming it carries the pool's
+secret (from RegisterPool), and other clients get PERMISSION_DENIED. attach(pool_id, secret)
+lets another client look up, prefetch, watch, pin and unpin it (a vLLM scheduler reads the
+pools its worker processes registered). Every call has a deadline (`timeout` s); mutating calls carry a request id and are retried
 on UNAVAILABLE with the same id, which the sidecar answers idempotently. Only register()
 waits for a sidecar that is not up yet; any other call to a dead sidecar fails at once with
 UNAVAILABLE (after its retries), well within its deadline.
@@ -23,13 +25,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 
 from hicache.api import EvictResult, KeyStatus, LookupResult, OpEvent, PoolStats, PrefetchOutcome, TransferResult
-from hicache.client.connection import Connection
+from hicache.client.connection import ADMIN_TOKEN, POOL_SECRET, Connection
 from hicache.client.handles import HiCacheRpcError, ReloadHandle
 from hicache.client.tls import ClientTls
 from hicache.geometry import KVGeometry
@@ -57,6 +60,7 @@ class RegisteredPool:
     host_layout: str
     geometry_fingerprint: str
     lease_timeout_s: float
+    secret: str = field(default="", repr=False)  # sent with every call naming the pool
 
 
 class HiCacheClient:
@@ -70,9 +74,11 @@ class HiCacheClient:
         timeout: float = 30.0,
         retries: int = 2,
         tls: ClientTls | None = None,
+        admin_token: str | None = None,
     ):
         """`target`: "unix:///path", "/path" or "host:port"; `token`: the sidecar's --token;
-        `tls`: CA (and, for mutual TLS, a client certificate) for a sidecar serving TCP over TLS."""
+        `tls`: CA (and, for mutual TLS, a client certificate) for a sidecar serving TCP over TLS;
+        `admin_token`: the sidecar's --admin-token, for stats(all_pools=True)."""
         self._conn = Connection(target, token, timeout=timeout, retries=retries, tls=tls)
         self._stub = self._conn.stub
         self.target = self._conn.target
@@ -80,11 +86,27 @@ class HiCacheClient:
         self.retries = retries
         self._metadata = self._conn.metadata
         self._pools: dict[str, RegisteredPool] = {}
+        self._secrets: dict[str, str] = {}  # pool id -> secret, for this client's pools and attached ones
+        self._admin = admin_token
         self._default: str | None = None
 
     # ---- plumbing -------------------------------------------------------------------------------
-    def _call(self, method: Callable[..., T], request: Any, *, retry: bool = True, wait: bool = False) -> T:
-        return self._conn.call(method, request, retry=retry, wait=wait)
+    def _call(
+        self, method: Callable[..., T], request: Any, *, retry: bool = True, wait: bool = False, pool: str = ""
+    ) -> T:
+        """One call; naming `pool`, it carries the pool's secret."""
+        extra = ((POOL_SECRET, self._secrets.get(pool, "")),) if pool else ()
+        return self._conn.call(method, request, retry=retry, wait=wait, extra=extra)
+
+    def _pool_metadata(self, pool_id: str) -> tuple[tuple[str, str], ...]:
+        return (*self._metadata, (POOL_SECRET, self._secrets.get(pool_id, "")))
+
+    def attach(self, pool_id: str, secret: str) -> None:
+        """Use a pool another client registered (a vLLM scheduler reads the pools its workers
+        registered): lookup, prefetch, watch, pin and unpin then name it with its secret."""
+        if not isinstance(pool_id, str) or not pool_id or not isinstance(secret, str) or not secret:
+            raise ValueError(f"attach needs a pool id and its secret, got {pool_id!r}")
+        self._secrets[pool_id] = secret
 
     def _pool(self, pool: str | None) -> RegisteredPool:
         pool_id = pool or self._default
@@ -95,8 +117,8 @@ class HiCacheClient:
         return self._pools[pool_id]
 
     def _pool_id(self, pool: str | None) -> str:
-        """The pool a read or pin call names: one of this client's, or another client's id
-        (a vLLM scheduler looks up the pools its workers registered). Default: the default pool."""
+        """The pool a read or pin call names: one of this client's, or one it attached.
+        Default: the default pool."""
         return pool if pool is not None else self._pool(None).pool_id
 
     @staticmethod
@@ -181,10 +203,12 @@ class HiCacheClient:
             r.host_layout,
             r.geometry_fingerprint,
             r.lease_timeout_s,
+            r.pool_secret,
         )
         self._pools[info.pool_id] = info
+        self._secrets[info.pool_id] = r.pool_secret
         self._default = info.pool_id
-        self._conn.keep_alive(lambda: list(self._pools), info.lease_timeout_s)
+        self._conn.keep_alive(lambda: [(p, i.secret) for p, i in list(self._pools.items())], info.lease_timeout_s)
         return info
 
     def send_fds(self, fds: Sequence[int]) -> list[str]:
@@ -197,7 +221,7 @@ class HiCacheClient:
     def unregister(self, pool: str | None = None, *, retry: bool = True) -> None:
         info = self._pool(pool)
         request = pb.UnregisterPoolRequest(request_id=self._rid(), pool_id=info.pool_id)
-        self._call(self._stub.UnregisterPool, request, retry=retry)
+        self._call(self._stub.UnregisterPool, request, retry=retry, pool=info.pool_id)
         del self._pools[info.pool_id]
         if self._default == info.pool_id:
             self._default = next(iter(self._pools), None)
@@ -216,7 +240,7 @@ class HiCacheClient:
         req = pb.OffloadRequest(
             request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), device_pages=_ints(device_pages)
         )
-        r = self._call(self._stub.Offload, req)
+        r = self._call(self._stub.Offload, req, pool=req.pool_id)
         return TransferResult(convert.statuses_from_pb(r.statuses), r.bytes_copied)
 
     def reload(
@@ -232,12 +256,12 @@ class HiCacheClient:
             device_pages=_ints(device_pages),
             layerwise=layerwise,
         )
-        r = self._call(self._stub.Reload, req)
+        r = self._call(self._stub.Reload, req, pool=req.pool_id)
         result = TransferResult(convert.statuses_from_pb(r.statuses), r.bytes_copied, r.op_id, r.done)
         watch_req = pb.WatchRequest(pool_id=info.pool_id, op_id=r.op_id)
 
         def watch() -> Any:
-            return self._stub.Watch(watch_req, timeout=self.timeout, metadata=self._metadata)
+            return self._stub.Watch(watch_req, timeout=self.timeout, metadata=self._pool_metadata(info.pool_id))
 
         return ReloadHandle(result, info.layer_num, None if r.done else watch)
 
@@ -248,7 +272,7 @@ class HiCacheClient:
         after a gap in the chain, or the fetch failed or was cancelled) or MISSING (no tier).
         policy: best_effort | wait_complete | timeout; "" uses the sidecar's default."""
         req = pb.PrefetchRequest(request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys), policy=policy)
-        r = self._call(self._stub.Prefetch, req)
+        r = self._call(self._stub.Prefetch, req, pool=req.pool_id)
         return PrefetchOutcome(convert.statuses_from_pb(r.statuses), r.op_id, r.done, r.timed_out)
 
     def watch(self, op_id: str, *, pool: str | None = None, no_deadline: bool = False) -> Iterator[OpEvent]:
@@ -258,33 +282,42 @@ class HiCacheClient:
         the operation however long it runs (a large best_effort prefetch)."""
         req = pb.WatchRequest(pool_id=self._pool_id(pool), op_id=op_id)
         deadline = None if no_deadline else self.timeout
-        for msg in self._stub.Watch(req, timeout=deadline, metadata=self._metadata):
-            yield convert.event_from_pb(msg)
+        try:
+            for msg in self._stub.Watch(req, timeout=deadline, metadata=self._pool_metadata(req.pool_id)):
+                yield convert.event_from_pb(msg)
+        except grpc.RpcError as exc:
+            raise HiCacheRpcError(exc.code(), exc.details() or "") from None
 
     def evict(self, keys: Sequence[bytes] = (), num_pages: int = 0, *, pool: str | None = None) -> EvictResult:
         """Drop `keys`, or free num_pages host pages, least recently used first."""
         req = pb.EvictRequest(
             request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), num_pages=num_pages
         )
-        r = self._call(self._stub.Evict, req)
+        r = self._call(self._stub.Evict, req, pool=req.pool_id)
         return EvictResult(convert.statuses_from_pb(r.statuses), r.pages_freed)
 
     def lookup(self, keys: Sequence[bytes], *, pool: str | None = None) -> LookupResult:
         req = pb.LookupRequest(pool_id=self._pool_id(pool), keys=list(keys))
-        return convert.lookup_from_pb(self._call(self._stub.Lookup, req))
+        return convert.lookup_from_pb(self._call(self._stub.Lookup, req, pool=req.pool_id))
 
     def pin(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
         req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys))
-        return convert.statuses_from_pb(self._call(self._stub.Pin, req).statuses)
+        return convert.statuses_from_pb(self._call(self._stub.Pin, req, pool=req.pool_id).statuses)
 
     def unpin(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
         req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys))
-        return convert.statuses_from_pb(self._call(self._stub.Unpin, req).statuses)
+        return convert.statuses_from_pb(self._call(self._stub.Unpin, req, pool=req.pool_id).statuses)
 
     def stats(self, pool: str | None = None, *, all_pools: bool = False) -> list[PoolStats]:
-        """Stats of one pool (default: the default pool), or of every pool on the sidecar."""
-        pool_id = "" if all_pools else self._pool(pool).pool_id
-        r = self._call(self._stub.GetStats, pb.GetStatsRequest(pool_id=pool_id))
+        """Stats of one of this client's pools (default: the default pool), or of every pool on
+        the sidecar (all_pools=True: needs the client's admin_token)."""
+        if all_pools:  # every pool's id and namespace: the sidecar's admin token only
+            extra = ((ADMIN_TOKEN, self._admin),) if self._admin else ()
+            request = pb.GetStatsRequest()
+            r = self._conn.call(self._stub.GetStats, request, extra=extra)
+        else:
+            pool_id = self._pool(pool).pool_id
+            r = self._call(self._stub.GetStats, pb.GetStatsRequest(pool_id=pool_id), pool=pool_id)
         return [convert.stats_from_pb(s) for s in r.pools]
 
     def close(self) -> None:

@@ -16,6 +16,8 @@ from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+POOL_SECRET = "x-hicache-pool-secret"  # the metadata that proves a call's right to its pool
+ADMIN_TOKEN = "x-hicache-admin-token"  # the metadata for stats of all pools
 
 
 def grpc_target(target: str) -> str:
@@ -46,16 +48,25 @@ class Connection:
         self._stop = threading.Event()
         self._keepalive: threading.Thread | None = None
 
-    def call(self, method: Callable[..., T], request: Any, *, retry: bool = True, wait: bool = False) -> T:
+    def call(
+        self,
+        method: Callable[..., T],
+        request: Any,
+        *,
+        retry: bool = True,
+        wait: bool = False,
+        extra: tuple[tuple[str, str], ...] = (),
+    ) -> T:
         """One call with the deadline. `wait`: wait (up to the deadline) for a sidecar that is
         not up yet, for the first contact; otherwise a sidecar that is down fails the call at
         once with UNAVAILABLE, so an engine never stalls a forward pass on a dead cache.
-        `retry`: an UNAVAILABLE call is retried (same request id) `retries` times.
-        Raises HiCacheRpcError."""
+        `retry`: an UNAVAILABLE call is retried (same request id) `retries` times. `extra`:
+        more metadata (a pool's secret). Raises HiCacheRpcError."""
         attempts = 1 + (self.retries if retry else 0)
+        metadata = self.metadata + extra
         for attempt in range(attempts):
             try:
-                return method(request, timeout=self.timeout, metadata=self.metadata, wait_for_ready=wait)
+                return method(request, timeout=self.timeout, metadata=metadata, wait_for_ready=wait)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
@@ -64,17 +75,20 @@ class Connection:
                 raise HiCacheRpcError(code, exc.details() or "") from None
         raise AssertionError("unreachable")
 
-    def keep_alive(self, pool_ids: Callable[[], Iterable[str]], lease_s: float) -> None:
-        """Start (once) a thread that renews the leases of pool_ids() every lease_s / 3."""
+    def keep_alive(self, pools: Callable[[], Iterable[tuple[str, str]]], lease_s: float) -> None:
+        """Start (once) a thread that renews the leases of pools() ((pool id, secret) pairs)
+        every lease_s / 3."""
         if self._keepalive is not None:
             return
 
         def renew() -> None:
             while not self._stop.wait(max(0.05, lease_s / 3)):
-                for pool_id in list(pool_ids()):
+                for pool_id, secret in list(pools()):
                     try:
                         self.stub.KeepAlive(
-                            pb.KeepAliveRequest(pool_id=pool_id), timeout=self.timeout, metadata=self.metadata
+                            pb.KeepAliveRequest(pool_id=pool_id),
+                            timeout=self.timeout,
+                            metadata=self.metadata + ((POOL_SECRET, secret),),
                         )
                     except grpc.RpcError:
                         pass  # the next call reports the problem

@@ -38,9 +38,17 @@ def format_table(pools: list[PoolStats]) -> str:
     return "\n".join(lines)
 
 
-def print_stats(target: str, *, token: str | None = None, as_json: bool = False, timeout: float = 5.0) -> int:
-    """Query the sidecar at `target` and print its stats. Returns 0, or 1 if the call failed."""
-    with HiCacheClient(target, token=token, timeout=timeout, retries=0) as client:
+def print_stats(
+    target: str,
+    *,
+    token: str | None = None,
+    admin_token: str | None = None,
+    as_json: bool = False,
+    timeout: float = 5.0,
+) -> int:
+    """Query the sidecar at `target` and print the stats of all its pools (they need its
+    --admin-token). Returns 0, or 1 if the call failed."""
+    with HiCacheClient(target, token=token, timeout=timeout, retries=0, admin_token=admin_token) as client:
         try:
             pools = client.stats(all_pools=True)
         except HiCacheRpcError as exc:

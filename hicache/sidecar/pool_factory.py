@@ -41,6 +41,7 @@ def build_pool(
             req.model_id,
             req.key_hash,
             KEY_BYTES[req.key_hash],
+            secrets.token_hex(16),
         )
         pool = RegisteredPool(
             identity,

@@ -74,6 +74,14 @@ class PoolTable:
         with self._lock:
             return [pid for pid, deadline in self._leases.items() if deadline < now]
 
+    def peek(self, pool_id: str) -> RegisteredPool:
+        """The pool, lease untouched. Raises UnknownId for an unknown id."""
+        with self._lock:
+            pool = self._pools.get(pool_id)
+        if pool is None:
+            raise UnknownId(f"unknown pool id {pool_id!r}")
+        return pool
+
     def ids(self) -> list[str]:
         with self._lock:
             return list(self._pools)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hicache.geometry import KVGeometry
 from hicache.keys import KEY_BYTES
@@ -23,6 +23,7 @@ class PoolIdentity:
     model_id: str
     key_hash: str
     key_bytes: int
+    secret: str = field(default="", repr=False)  # what a caller must present to use the pool
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ Errors follow hicache.sidecar.errors: ValueError / UnknownId (a KeyError) / Stat
 from __future__ import annotations
 
 import errno
+import hmac
 import logging
 import shutil
 import threading
@@ -137,6 +138,7 @@ class HiCacheService:
             req.key_hash,
             identity.key_bytes,
             self.config.lease_timeout_s,
+            identity.secret,
         )
 
     def _refuse(self, why: str) -> NoSpace:
@@ -144,6 +146,11 @@ class HiCacheService:
         if self._pools.closed:
             raise StateError(why)
         return NoSpace(why)
+
+    def owns(self, pool_id: str, secret: str) -> bool:
+        """Whether `secret` is the pool's (compared in constant time). Raises UnknownId for an
+        unknown pool, so that a caller can tell a forgotten pool (NOT_FOUND) from another's."""
+        return hmac.compare_digest(self._pools.peek(pool_id).identity.secret.encode(), secret.encode())
 
     def check_geometry(self, group: str, geometry: KVGeometry) -> None:
         """Raises ValueError for a group the model lacks or a geometry other than expected."""

@@ -19,23 +19,31 @@ from server import ServerConfig, create_server
 def test_health_and_stats_commands(capsys):
     d = tempfile.mkdtemp(prefix="hc")
     sock = os.path.join(d, "hc.sock")
-    srv, address = create_server(ServerConfig(socket=sock, service=ServiceConfig(expected=mimo_geometries())))
+    srv, address = create_server(
+        ServerConfig(socket=sock, admin_token="adm", service=ServiceConfig(expected=mimo_geometries()))
+    )
     try:
         assert main(["health", "--socket", sock]) == 0
         assert capsys.readouterr().out.strip() == "SERVING"
-        assert main(["stats", "--socket", sock]) == 0
+        assert main(["stats", "--socket", sock]) == 1  # every pool's ids and namespaces: admins only
+        assert "PERMISSION_DENIED: stats of all pools: missing admin token" in capsys.readouterr().err
+        assert main(["stats", "--socket", sock, "--admin-token", "adm"]) == 0
         assert capsys.readouterr().out.strip() == "no pools registered"
         dev = filled_device(4)
         with HiCacheClient(address) as client:
             info = client.register(dev, namespace="tenant-a")
             client.offload(client.page_keys(list(range(32))), [0, 1])
-            assert main(["stats", "--target", address, "--json"]) == 0
+            os.environ["HICACHE_ADMIN_TOKEN"] = "adm"
+            try:
+                assert main(["stats", "--target", address, "--json"]) == 0
+            finally:
+                del os.environ["HICACHE_ADMIN_TOKEN"]
             report = json.loads(capsys.readouterr().out)
             (pool,) = report["pools"]
             assert pool["pool_id"] == info.pool_id and pool["used_pages"] == 2 and pool["namespace"] == "tenant-a"
             assert pool["tiers"]["host"]["pages"] == 2
             assert pool["copy_backend"] == ("native" if native.available() else "torch")
-            assert main(["stats", "--target", address]) == 0
+            assert main(["stats", "--target", address, "--admin-token", "adm"]) == 0
             table = capsys.readouterr().out
             assert info.pool_id in table and "2/8" in table
         dev.close()

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sidecar_util import filled_device, keys
+from sidecar_util import SecretStub, filled_device, keys
 from tier_helpers import GEOMETRIES
 
 from hicache.cache.config import HiCacheConfig
@@ -29,7 +29,13 @@ from hicache.sidecar.config import ServiceConfig
 from server import HiCacheServer, ServerConfig, create_server
 
 Code = grpc.StatusCode
-CALLER_MISTAKES = {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED}
+CALLER_MISTAKES = {
+    Code.INVALID_ARGUMENT,
+    Code.NOT_FOUND,
+    Code.PERMISSION_DENIED,
+    Code.FAILED_PRECONDITION,
+    Code.RESOURCE_EXHAUSTED,
+}
 MAX_BATCH = 64
 MAX_MESSAGE = 1 << 20
 G = GEOMETRIES["mimo_kv"]
@@ -66,6 +72,7 @@ def sidecar() -> Iterator[Sidecar]:
     stub = pb_grpc.HiCacheStub(channel)
     dev = filled_device(16, geometry=G)
     reg = stub.RegisterPool(register_request(dev, "setup"), timeout=30)
+    stub = SecretStub(stub, reg.pool_secret)  # type: ignore[assignment]
     ks = keys(8)
     stub.Offload(pb.OffloadRequest(request_id="seed", pool_id=reg.pool_id, keys=ks[:4], device_pages=range(4)))
     yield Sidecar(srv, channel, stub, dev, reg.pool_id, ks)
@@ -180,7 +187,10 @@ def test_random_registrations_are_refused_or_registered_never_internal(sidecar, 
     )
     reply = expect_mistake_or_ok(lambda: sc.stub.RegisterPool(request, timeout=30))
     if reply is not None:  # a valid registration: give it back so the pool limit is not reached
-        sc.stub.UnregisterPool(pb.UnregisterPoolRequest(request_id="u-" + reply.pool_id, pool_id=reply.pool_id))
+        sc.stub.UnregisterPool(
+            pb.UnregisterPoolRequest(request_id="u-" + reply.pool_id, pool_id=reply.pool_id),
+            metadata=(("x-hicache-pool-secret", reply.pool_secret),),
+        )
     sc.check()
 
 

@@ -187,10 +187,12 @@ def test_tls_with_token(sockdir, tmp_path):
 
 def test_mutual_tls_authenticates_the_client(sockdir, tmp_path):
     pki = _pki(tmp_path)
-    srv, tcp = _tcp_server(sockdir, tls_cert=pki["server"], tls_key=pki["server_key"], tls_client_ca=pki["ca"])
+    srv, tcp = _tcp_server(
+        sockdir, tls_cert=pki["server"], tls_key=pki["server_key"], tls_client_ca=pki["ca"], admin_token="adm"
+    )
     try:
         mine = ClientTls(pki["ca"], cert=pki["client"], key=pki["client_key"], server_name="localhost")
-        with HiCacheClient(tcp, timeout=10, tls=mine) as client:  # the certificate is the credential
+        with HiCacheClient(tcp, timeout=10, tls=mine, admin_token="adm") as client:  # the certificate is the credential
             assert client.stats(all_pools=True) == []
         anonymous = ClientTls(pki["ca"], server_name="localhost")
         assert _refused(HiCacheClient(tcp, timeout=5, retries=0, tls=anonymous)) == "UNAVAILABLE"

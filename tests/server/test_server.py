@@ -15,7 +15,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from sidecar_util import CONFIG_PATH, filled_device, keys_for, mimo_full, mimo_geometries, shm_exists
+from sidecar_util import CONFIG_PATH, SecretStub, filled_device, keys_for, mimo_full, mimo_geometries, shm_exists
 
 from hicache.api import KeyStatus, Tier
 from hicache.client import HiCacheClient, HiCacheRpcError
@@ -116,9 +116,10 @@ def test_status_codes_name_the_offending_value(served):
         srv.service.check_integrity()
     assert client.lookup(keys).tiers == (Tier.HOST, Tier.NONE, Tier.NONE)
     stub = pb_grpc.HiCacheStub(grpc.insecure_channel(address))
+    mine = (("x-hicache-pool-secret", client._pool(None).secret),)
     for call in (
         lambda: stub.Lookup(pb.LookupRequest(pool_id="pool-nope")),
-        lambda: stub.Watch(pb.WatchRequest(pool_id=client._default, op_id="op-nope")).next(),
+        lambda: stub.Watch(pb.WatchRequest(pool_id=client._default, op_id="op-nope"), metadata=mine).next(),
     ):
         with pytest.raises(grpc.RpcError) as exc:
             call()
@@ -184,7 +185,8 @@ def test_retry_with_same_request_id_is_idempotent(served):
         device_memory=convert.memory_to_pb(dev.handle),
     )
     first, again = stub.RegisterPool(reg), stub.RegisterPool(reg)
-    assert first == again and len(srv.service.pool_ids) == 1
+    assert first == again and len(srv.service.pool_ids) == 1  # the same pool, and the same secret
+    stub = SecretStub(stub, first.pool_secret)
     req = pb.OffloadRequest(request_id="o-1", pool_id=first.pool_id, keys=keys_for(2), device_pages=[0, 1])
     a, b = stub.Offload(req), stub.Offload(req)
     assert a == b and list(a.statuses) == [pb.KEY_STATUS_STORED] * 2
@@ -211,10 +213,10 @@ def test_silent_client_lease_expires_and_host_memory_is_released(sockdir):
     )
     assert shm_exists(reg.host_shm_name)
     for _ in range(600):  # no keepalive: the reaper reclaims it
-        if not stub.GetStats(pb.GetStatsRequest()).pools:
+        if not srv.service.pool_ids:
             break
         time.sleep(0.05)
-    assert not stub.GetStats(pb.GetStatsRequest()).pools
+    assert not srv.service.pool_ids
     assert not shm_exists(reg.host_shm_name) and shm_exists(dev.handle.name)
     srv.stop(0)
     dev.close()
@@ -226,10 +228,10 @@ def test_tcp_listen_needs_token_and_works_with_it(sockdir):
         ServerConfig(socket=sock, listen="127.0.0.1:0")
     with pytest.raises(ValueError, match="HOST:PORT"):
         ServerConfig(socket=sock, listen="nope", insecure=True)
-    srv, _ = create_server(ServerConfig(socket=sock, listen="127.0.0.1:0", token="tok"))
+    srv, _ = create_server(ServerConfig(socket=sock, listen="127.0.0.1:0", token="tok", admin_token="adm"))
     tcp = srv.addresses[1]
     assert not tcp.endswith(":0")
-    with HiCacheClient(tcp, token="tok", timeout=30) as client:
+    with HiCacheClient(tcp, token="tok", timeout=30, admin_token="adm") as client:
         assert client.stats(all_pools=True) == []
     srv.stop(0)
 

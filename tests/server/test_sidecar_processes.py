@@ -110,7 +110,7 @@ DYING_ENGINE = textwrap.dedent(
 
 def test_dead_client_is_reclaimed_and_sigterm_shuts_down_cleanly():
     sockdir = tempfile.mkdtemp(prefix="hc")
-    proc, address = start_sidecar(sockdir, "--lease-timeout", "0.5")
+    proc, address = start_sidecar(sockdir, "--lease-timeout", "0.5", "--admin-token", "adm")
     try:
         child = subprocess.run(
             [sys.executable, "-c", DYING_ENGINE, address], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -118,7 +118,7 @@ def test_dead_client_is_reclaimed_and_sigterm_shuts_down_cleanly():
         assert child.returncode == 0, child.stderr
         host_shm, dev_shm = child.stdout.split()
         os.unlink(os.path.join("/dev/shm", dev_shm))  # the child's own leak, not the sidecar's
-        client = HiCacheClient(address, timeout=60)
+        client = HiCacheClient(address, timeout=60, admin_token="adm")
         for _ in range(1200):
             if not client.stats(all_pools=True):
                 break

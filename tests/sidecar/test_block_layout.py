@@ -100,7 +100,9 @@ def test_shared_file_of_finds_a_memfd_a_dev_shm_file_and_refuses_private_memory(
 @pytest.fixture
 def served() -> Iterator[str]:
     d = tempfile.mkdtemp(prefix="hc")
-    srv, address = create_server(ServerConfig(socket=os.path.join(d, "hc.sock"), service=ServiceConfig()))
+    srv, address = create_server(
+        ServerConfig(socket=os.path.join(d, "hc.sock"), admin_token="adm", service=ServiceConfig())
+    )
     yield address
     srv.stop(0)
     shutil.rmtree(d, ignore_errors=True)
@@ -143,7 +145,7 @@ def test_sidecar_copies_an_engines_blocks_straight(served: str) -> None:
 def test_cuda_memory_in_an_engine_layout_needs_cuda_on_the_sidecar(served: str) -> None:
     g = mimo_full(page_size=4)
     cuda = MemoryHandle("cuda_ipc", 10 * g.page_bytes, ipc_handle=b"\x01" * 64)
-    with HiCacheClient(served) as client:
+    with HiCacheClient(served, admin_token="adm") as client:
         with pytest.raises(HiCacheRpcError, match="needs CUDA on the sidecar, and it has none"):
             client.register_memory(g, 10, cuda, device_layout=block_layout_name(0, g.page_bytes_for(1), g.page_bytes))
         with pytest.raises(HiCacheRpcError, match="'sglang_page_first' needs memory of kind fd or shm, got 'cuda_ipc'"):

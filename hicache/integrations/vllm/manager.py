@@ -61,7 +61,7 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._inflight: Future[None] | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-lookup")
         self._down_until = 0.0
-        self._pools: list[dict[int, str]] | None = None
+        self._pools: list[dict[int, tuple[str, str]]] | None = None
         self._pins: Counter[tuple[str, bytes]] = Counter()
         self._events: list[OffloadingEvent] | None = [] if config.enable_kv_cache_events else None
 
@@ -132,7 +132,10 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
             )
             if self._pools is None:
                 raise LookupError(f"not every worker of engine {self.config.engine_id!r} has registered its pools yet")
-        return [ranks[group] for ranks in self._pools]
+            for ranks in self._pools:
+                for pool_id, secret in ranks.values():
+                    self.client.attach(pool_id, secret)
+        return [ranks[group][0] for ranks in self._pools]
 
     def _fail(self, what: str, exc: Exception) -> None:
         """Misses for retry_s. Called with the lock held."""

@@ -18,13 +18,14 @@ def _folder(root: str, engine_id: str) -> str:
     return os.path.join(root, f"engine-{tag}")
 
 
-def publish(root: str, engine_id: str, rank: int, pools: dict[int, str]) -> None:
-    """Record rank's pool id of each group index. Raises OSError."""
+def publish(root: str, engine_id: str, rank: int, pools: dict[int, tuple[str, str]]) -> None:
+    """Record rank's (pool id, pool secret) of each group index, in a file only this uid can
+    read (the secret gives access to the pool). Raises OSError."""
     folder = _folder(root, engine_id)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".rank{rank}.")
     with os.fdopen(fd, "w") as f:
-        json.dump({"pid": os.getpid(), "pools": {str(g): p for g, p in pools.items()}}, f)
+        json.dump({"pid": os.getpid(), "pools": {str(g): list(p) for g, p in pools.items()}}, f)
     os.replace(tmp, os.path.join(folder, f"rank{rank}.json"))
 
 
@@ -35,14 +36,15 @@ def withdraw(root: str, engine_id: str, rank: int) -> None:
         pass
 
 
-def read(root: str, engine_id: str, world_size: int) -> list[dict[int, str]] | None:
-    """Every rank's pools (group index -> pool id), or None while a rank has not published."""
+def read(root: str, engine_id: str, world_size: int) -> list[dict[int, tuple[str, str]]] | None:
+    """Every rank's pools (group index -> (pool id, secret)), or None while a rank has not
+    published."""
     out = []
     for rank in range(world_size):
         try:
             with open(os.path.join(_folder(root, engine_id), f"rank{rank}.json")) as f:
                 pools = json.load(f)["pools"]
-        except (OSError, ValueError, KeyError):
+            out.append({int(g): (str(p[0]), str(p[1])) for g, p in pools.items()})
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
             return None
-        out.append({int(g): str(p) for g, p in pools.items()})
     return out

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -49,6 +49,7 @@ class GroupLink:
     geometry: KVGeometry
     memory: GroupMemory
     pool_id: str = ""
+    secret: str = field(default="", repr=False)
 
 
 class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
@@ -97,10 +98,10 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             tp_rank=p.rank,
             tp_size=p.world_size,
         )
-        link.pool_id = info.pool_id
+        link.pool_id, link.secret = info.pool_id, info.secret
 
     def _publish(self) -> None:
-        pools = {g: link.pool_id for g, link in enumerate(self.links)}
+        pools = {g: (link.pool_id, link.secret) for g, link in enumerate(self.links)}
         rendezvous.publish(self.options.meeting_dir, self.config.engine_id, self.config.parallel.rank, pools)
 
     def _call_pool(self, link: GroupLink, fn: str, keys: list[bytes], blocks: list[int]) -> tuple[KeyStatus, ...]:

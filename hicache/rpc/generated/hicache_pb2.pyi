@@ -120,7 +120,7 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., group: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., device_memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., key_hash: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., device_layout: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout_s")
+    __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout_s", "pool_secret")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     HOST_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class RegisterPoolResponse(_message.Message):
     KEY_HASH_FIELD_NUMBER: _ClassVar[int]
     KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    POOL_SECRET_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     host_pages: int
     host_shm_name: str
@@ -139,7 +140,8 @@ class RegisterPoolResponse(_message.Message):
     key_hash: str
     key_bytes: int
     lease_timeout_s: float
-    def __init__(self, pool_id: _Optional[str] = ..., host_pages: _Optional[int] = ..., host_shm_name: _Optional[str] = ..., host_layout: _Optional[str] = ..., host_nbytes: _Optional[int] = ..., geometry_fingerprint: _Optional[str] = ..., key_hash: _Optional[str] = ..., key_bytes: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
+    pool_secret: str
+    def __init__(self, pool_id: _Optional[str] = ..., host_pages: _Optional[int] = ..., host_shm_name: _Optional[str] = ..., host_layout: _Optional[str] = ..., host_nbytes: _Optional[int] = ..., geometry_fingerprint: _Optional[str] = ..., key_hash: _Optional[str] = ..., key_bytes: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., pool_secret: _Optional[str] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("request_id", "pool_id")
