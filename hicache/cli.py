@@ -73,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return print_geometry(args)
         if args.command == "health":
-            from hicache.client.health import SERVING, check_health
+            from hicache.client.health import check_health
 
             status = check_health(args.target, service=args.service, timeout=args.timeout)
             print(status)
-            return 0 if status == SERVING else 1
+            return health_exit_code(status)
         from hicache.client.stats_cli import print_stats
 
         return print_stats(
@@ -88,8 +88,34 @@ def main(argv: list[str] | None = None) -> int:
             timeout=args.timeout,
         )
     except (ValueError, OSError) as exc:
-        print(f"hicache: error: {exc}", file=sys.stderr)
+        print(f"hicache: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hicache: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        from hicache.client import HiCacheRpcError
+
+        if not isinstance(exc, HiCacheRpcError):
+            raise
+        print(f"hicache: error: the sidecar said {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def health_exit_code(status: str) -> int:
+    """grpc_health_probe's exit codes: 0 SERVING, 2 no connection, 3 the call failed
+    otherwise, 4 answered but not SERVING."""
+    if status == "SERVING":
+        return 0
+    if status in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+        return 2
+    if status in ("NOT_SERVING", "SERVICE_UNKNOWN", "UNKNOWN"):
+        return 4
+    return 3
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

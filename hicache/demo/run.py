@@ -20,6 +20,7 @@ import torch
 
 from hicache.api import PoolStats
 from hicache.client import HiCacheClient
+from hicache.client.health import SERVING, check_health
 from hicache.demo.configs import load_config, model_geometries, truncate_layers
 from hicache.demo.engine import DemoEngine
 from hicache.demo.model import ToyModel
@@ -112,17 +113,30 @@ def run_demo(args: argparse.Namespace) -> int:
             with open(config_path, "w") as f:
                 json.dump(config, f)
             sidecar = SidecarProcess(sidecar_args(args, config_path, workdir), workdir)
+        started = False
         try:
             if sidecar is not None:
                 sidecar.wait_ready()
                 target = sidecar.target
+            else:
+                _check_serving(target)
+            started = True
             assert target is not None
             return _run_engine(args, target, geometries, model, workload, device_pages, max_pages)
         finally:
             if sidecar is not None:
                 rc = sidecar.stop()
-                if rc != 0:
+                if rc != 0 and started:  # a refusal at start was already reported
                     print(f"sidecar exited with status {rc}:\n{sidecar.log_tail()}", file=sys.stderr)
+
+
+def _check_serving(target: str | None) -> None:
+    """Raises ValueError, within seconds, unless a sidecar serves at `target` (--sidecar)."""
+    if target is None:
+        raise ValueError("no sidecar to connect to")
+    status = check_health(target, timeout=3.0)
+    if status != SERVING:
+        raise ValueError(f"no sidecar serving at {target}: {status}")
 
 
 def _run_engine(

@@ -27,6 +27,10 @@ def server_command() -> tuple[list[str], dict[str, str]]:
     return [sys.executable, "-m", "server"], env
 
 
+class SidecarRefused(ValueError):
+    """The sidecar exited before it served: its flags or its environment are wrong."""
+
+
 class SidecarProcess:
     """A started sidecar; `target` is its gRPC address. Use as a context manager or call stop()."""
 
@@ -41,19 +45,23 @@ class SidecarProcess:
         )
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Block until the health service says SERVING. Raises RuntimeError (with the
-        sidecar's output) if it exits first, TimeoutError after `timeout` s."""
+        """Block until the health service says SERVING. Raises SidecarRefused (a ValueError:
+        a bad flag, the sidecar's own one-line message) if it exits first, TimeoutError after
+        `timeout` s."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the sidecar exited with status {self.proc.returncode}:\n{self.log_tail()}")
+                lines = [line for line in self.log_tail().splitlines() if line.strip()]
+                last = lines[-1] if lines else f"exit status {self.proc.returncode}, no output"
+                raise SidecarRefused(f"the sidecar did not start: {last.removeprefix('hicache-server: error: ')}")
             if os.path.exists(self.socket) and check_health(self.target, timeout=1.0) == SERVING:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"the sidecar was not SERVING after {timeout} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path, "rb") as f:
             return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
 

@@ -50,5 +50,32 @@ def test_health_and_stats_commands(capsys):
     finally:
         srv.stop(0)
         shutil.rmtree(d, ignore_errors=True)
-    assert main(["health", "--socket", sock, "--timeout", "0.5"]) == 1
+    assert main(["health", "--socket", sock, "--timeout", "0.5"]) == 2  # no connection, as grpc_health_probe
     assert capsys.readouterr().out.strip() in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def test_health_exits_as_grpc_health_probe_does(capsys, tmp_path):
+    import time
+
+    from hicache.cache.config import HiCacheConfig
+    from hicache.cli import health_exit_code
+
+    dead_redis = HiCacheConfig(storage_backend="redis", extra_config={"url": "redis://127.0.0.1:1", "timeout_s": 0.2})
+    sock = str(tmp_path / "hc.sock")
+    srv, address = create_server(
+        ServerConfig(socket=sock, health_interval_s=0.1, service=ServiceConfig(hierarchy=dead_redis))
+    )
+    dev = filled_device(2)
+    try:
+        with HiCacheClient(address) as client:
+            client.register(dev, model_id="m@1")  # its storage tier (Redis) is unreachable
+            for _ in range(200):
+                if main(["health", "--socket", sock]) == 4:
+                    break
+                time.sleep(0.05)
+            assert main(["health", "--socket", sock]) == 4
+            assert capsys.readouterr().out.strip().splitlines()[-1] == "NOT_SERVING"
+    finally:
+        srv.stop(0)
+        dev.close()
+    assert [health_exit_code(s) for s in ("SERVING", "UNAVAILABLE", "NOT_SERVING", "NOT_FOUND")] == [0, 2, 4, 3]
