@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from hicache._version import __version__
 from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry, model_geometries
+from hicache.memory import cuda_available
 from hicache.paths import default_socket_path
 from hicache.pools.layouts import LAYOUTS
 from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
@@ -154,12 +155,24 @@ def build_parser() -> argparse.ArgumentParser:
     return document(p)
 
 
+def check_start_up(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """What can be refused before the first registration. Raises ValueError."""
+    if args.page_size < 1:
+        raise ValueError(f"--page-size must be >= 1 (tokens per KV page, as the engine's), got {args.page_size}")
+    if args.hicache_io_backend == "kernel" and env.get("TRITON_INTERPRET") != "1" and not cuda_available():
+        raise ValueError(
+            "--hicache-io-backend kernel runs Triton copy kernels on CUDA, and this sidecar has no GPU: "
+            "use auto or direct (or TRITON_INTERPRET=1 to run the kernels interpreted, for tests)"
+        )
+
+
 def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> tuple[ServerConfig, str]:
     """(config, log level) from the command line (default sys.argv[1:]) and the HICACHE_*
     variables of `environ` (default os.environ; see envflags). Raises ValueError or OSError."""
     parser = build_parser()
     env = os.environ if environ is None else environ
     args = parser.parse_args(env_argv(parser, env) + (sys.argv[1:] if argv is None else list(argv)))
+    check_start_up(args, env)
     expected = None
     if args.model_config:
         expected = expected_geometries(

@@ -48,7 +48,8 @@ def document(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def env_argv(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[str]:
     """Command-line arguments equivalent to the HICACHE_* variables in `environ` that name
     a flag of `parser`; put them before the real arguments so that those win.
-    Raises ValueError for a switch whose value is not a boolean."""
+    Raises ValueError naming the variable for a switch whose value is not a boolean, or a
+    value the flag's type or choices refuse."""
     out: list[str] = []
     for flag, action in _long_flags(parser):
         name = env_name(flag)
@@ -61,8 +62,22 @@ def env_argv(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> lis
             elif value.strip().lower() not in _FALSE:
                 raise ValueError(f"{name}={value!r}: expected one of {_TRUE + _FALSE[:-1]}")
         else:
+            _check_value(name, flag, action, value)
             out.append(f"{flag}={value}")
     return out
+
+
+def _check_value(name: str, flag: str, action: argparse.Action, value: str) -> None:
+    """Raises ValueError naming the variable for a value argparse would refuse (it would
+    name only the flag, and the user never typed one)."""
+    if callable(action.type):
+        try:
+            action.type(value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            kind = getattr(action.type, "__name__", "value")
+            raise ValueError(f"{name}={value!r}: {flag} takes a {kind}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{name}={value!r}: {flag} takes one of {list(action.choices)}")
 
 
 def unknown_variables(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[str]:

@@ -38,20 +38,54 @@ _TIMEOUT_KEYS = {
     "prefetch_timeout_base_s": "base_s",
     "prefetch_timeout_per_ki_token_s": "per_ki_token_s",
     "prefetch_timeout_max_s": "max_s",
+    # SGLang's names for the same seconds, so that an SGLang extra config works unchanged
+    "prefetch_timeout_base": "base_s",
+    "prefetch_timeout_per_ki_token": "per_ki_token_s",
 }
+# read by SGLang's controller (tokens below which it does not prefetch); the sidecar has no use for it
+_SGLANG_ONLY = ("prefetch_threshold",)
+HIERARCHY_KEYS: tuple[str, ...] = (*_TIMEOUT_KEYS, *_SGLANG_ONLY)
 
 
 def parse_extra_config(text: str | None) -> dict[str, Any]:
-    """The JSON object in `text` ({} for None or ""). Raises ValueError quoting the text."""
+    """The JSON object in `text` ({} for None or ""), or, as SGLang reads it, in the file
+    `text` names after an "@" (@config.json, @config.yaml). Raises ValueError quoting it."""
     if not text:
         return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--hicache-storage-backend-extra-config is not valid JSON ({e}): {text!r}") from None
+    if text.startswith("@"):
+        body = _read_config_file(text[1:])
+        value = _yaml(body, text) if text.endswith((".yaml", ".yml")) else _json(body, text)
+    else:
+        value = _json(text, text)
     if not isinstance(value, dict):
         raise ValueError(f"--hicache-storage-backend-extra-config must be a JSON object, got {text!r}")
     return value
+
+
+def _json(body: str, source: str) -> Any:
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--hicache-storage-backend-extra-config is not valid JSON ({e}): {source!r}") from None
+
+
+def _read_config_file(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--hicache-storage-backend-extra-config @{path}: {e.strerror}") from None
+
+
+def _yaml(text: str, source: str) -> Any:
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError(f"{source}: reading YAML needs PyYAML (pip install pyyaml), or use a .json file") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"--hicache-storage-backend-extra-config {source} is not valid YAML: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -68,7 +102,7 @@ class HiCacheConfig:
     def __post_init__(self) -> None:
         check_write_policy(self.write_policy)
         check_prefetch_policy(self.prefetch_policy)
-        check_extra(self.storage_backend, self.storage_extra)
+        check_extra(self.storage_backend, self.storage_extra, also=HIERARCHY_KEYS)
         self.prefetch_timeout  # noqa: B018 - validates the timeout keys
         for name in ("size_gb", "ratio"):
             value = getattr(self, name)
@@ -80,7 +114,7 @@ class HiCacheConfig:
     @property
     def storage_extra(self) -> dict[str, Any]:
         """The extra config meant for the backend (without the prefetch timeout keys)."""
-        return {k: v for k, v in self.extra_config.items() if k not in _TIMEOUT_KEYS}
+        return {k: v for k, v in self.extra_config.items() if k not in HIERARCHY_KEYS}
 
     @property
     def prefetch_timeout(self) -> PrefetchTimeout:

@@ -27,7 +27,7 @@ def default_file_dir() -> Path:
     return Path(base) / "hicache"
 
 
-def check_extra(backend: str, extra: Mapping[str, Any]) -> None:
+def check_extra(backend: str, extra: Mapping[str, Any], also: tuple[str, ...] = ()) -> None:
     """Raise ValueError for an unknown backend, an unknown key, a missing redis url, or a
     bad option value (the tiers' own checks, run without making a tier)."""
     if backend not in BACKENDS:
@@ -36,7 +36,7 @@ def check_extra(backend: str, extra: Mapping[str, Any]) -> None:
     if unknown:
         raise ValueError(
             f"unknown extra-config key(s) {unknown} for storage backend {backend!r}; "
-            f"expected some of {list(BACKEND_OPTIONS[backend])}"
+            f"accepted: {[*BACKEND_OPTIONS[backend], *also]}"
         )
     if backend == "redis" and not extra.get("url"):
         raise ValueError('storage backend "redis" needs "url" in its extra config (redis://... or unix://...)')

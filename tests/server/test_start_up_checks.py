@@ -1,0 +1,69 @@
+"""`hicache-server` refuses at start what it can check at start, naming the flag or the
+environment variable, and reads an extra config the way SGLang does (@file, SGLang's keys)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sidecar_util import ROOT
+
+from hicache.memory import cuda_available
+from server.config import parse_args
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--page-size", "0"], {}, "--page-size must be >= 1"),
+        ([], {"HICACHE_RATIO": "abc"}, "HICACHE_RATIO='abc': --hicache-ratio takes a float"),
+        ([], {"HICACHE_MEM_LAYOUT": "sideways"}, "HICACHE_MEM_LAYOUT='sideways': --hicache-mem-layout takes one of"),
+        (["--hicache-storage-backend-extra-config", '{"nope": 1}'], {}, "accepted: ['dir', 'max_bytes', 'fsync'"),
+        (["--hicache-storage-backend-extra-config", "@/nowhere/x.json"], {}, "@/nowhere/x.json: No such file"),
+    ],
+)
+def test_bad_start_up_values_are_refused_naming_them(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        parse_args(["--socket", "/tmp/never.sock", *argv], environ=env)
+    assert message in str(exc.value), str(exc.value)
+
+
+@pytest.mark.skipif(cuda_available(), reason="this host has CUDA: the kernel backend is valid here")
+def test_the_kernel_io_backend_needs_cuda_unless_interpreted() -> None:
+    with pytest.raises(ValueError, match="kernel runs Triton copy kernels on CUDA"):
+        parse_args(["--socket", "/tmp/never.sock", "--hicache-io-backend", "kernel"], environ={})
+    config, _ = parse_args(
+        ["--socket", "/tmp/never.sock", "--hicache-io-backend", "kernel"], environ={"TRITON_INTERPRET": "1"}
+    )
+    assert config.service.io_backend == "kernel"
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_an_sglang_extra_config_file_works_unchanged(tmp_path: Path, suffix: str) -> None:
+    extra = {"dir": str(tmp_path / "tier"), "prefetch_threshold": 256, "prefetch_timeout_base": 2.0}
+    extra["prefetch_timeout_per_ki_token"] = 0.5
+    path = tmp_path / f"extra{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(extra))
+    else:
+        path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in extra.items()))
+    config, _ = parse_args(["--socket", "/tmp/never.sock", "--hicache-storage-backend-extra-config", f"@{path}"], {})
+    h = config.service.hierarchy
+    assert h.storage_extra == {"dir": str(tmp_path / "tier")}  # the backend sees its own keys only
+    assert (h.prefetch_timeout.base_s, h.prefetch_timeout.per_ki_token_s) == (2.0, 0.5)
+
+
+def test_the_server_command_prints_one_line_and_exits_2() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--socket", "/tmp/never.sock"],
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "HICACHE_RATIO": "abc"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip() == "hicache-server: error: HICACHE_RATIO='abc': --hicache-ratio takes a float"
