@@ -58,9 +58,18 @@ class Tally:
             out.append(f"{self.recompute_mismatches} pages differ from a recomputation")
         if self.attention_mismatches:
             out.append(f"{self.attention_mismatches} attention outputs differ from a recomputation")
-        if self.requests and not self.pages_reloaded:
-            out.append("no page was reloaded from the sidecar: the workload exercised nothing")
+
         return out
+
+    def notices(self) -> list[str]:
+        """What the run could not check, which is not a failure: a valid but small workload
+        that never reloaded a page."""
+        if self.requests and not self.pages_reloaded:
+            return [
+                "no page was reloaded from the sidecar, so no reload was checked "
+                "(more --conversations or --turns, or fewer --device-pages, exercise the tiers)"
+            ]
+        return []
 
 
 class Progress:
@@ -140,6 +149,11 @@ def summary(tally: Tally, pools: list[PoolStats], elapsed_s: float) -> str:
         "attention outputs equal to recompute",
         f"{t.attention_checked - t.attention_mismatches}/{t.attention_checked}",
     )
-    failures = t.failures()
-    lines.append("result: all checks passed" if not failures else "result: FAILED: " + "; ".join(failures))
+    failures, notices = t.failures(), t.notices()
+    if failures:
+        lines.append("result: FAILED: " + "; ".join(failures))
+    elif notices:
+        lines.append("result: nothing to check: " + "; ".join(notices))
+    else:
+        lines.append("result: all checks passed")
     return "\n".join(lines)

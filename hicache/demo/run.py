@@ -181,7 +181,8 @@ def _run_engine(
         print(summary(tally, stats, elapsed))
         if args.report_json:
             with open(args.report_json, "w") as f:
-                json.dump({**asdict(tally), "failures": tally.failures(), "elapsed_s": elapsed}, f)
+                report = {**asdict(tally), "failures": tally.failures(), "notices": tally.notices()}
+                json.dump({**report, "elapsed_s": elapsed}, f)
         return 1 if tally.failures() else 0
     finally:
         if engine is not None:

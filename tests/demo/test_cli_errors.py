@@ -84,3 +84,9 @@ def test_ctrl_c_exits_130_with_one_line(capsys: pytest.CaptureFixture[str], monk
     monkeypatch.setattr(demo_run, "run_demo", interrupted)
     assert main(["demo"]) == 130
     assert one_error_line(capsys) == "hicache: interrupted"
+
+
+def test_a_valid_small_workload_is_a_notice_not_a_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--conversations", "2", "--turns", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and "result: nothing to check: no page was reloaded" in out

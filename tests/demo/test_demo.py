@@ -77,12 +77,12 @@ def test_engine_catches_a_corrupted_host_page(served):
     engine = DemoEngine(client, pools, pool_ids, model, tally, max_request_pages=6)
     tokens = np.arange(85, dtype=np.int64)  # 5 full pages and 5 tokens
     engine.serve(tokens)
-    assert tally.failures() == ["no page was reloaded from the sidecar: the workload exercised nothing"]
+    assert tally.failures() == [] and "no page was reloaded" in tally.notices()[0]  # nothing to check yet
     assert tally.pages_offloaded == 5 * 2 and tally.computed_tokens == 85
 
     engine.cache = type(engine.cache)(8)  # the engine forgets its device cache: it must reload
     engine.serve(tokens)
-    assert tally.host_tokens == 80 and tally.page_mismatches == 0 and tally.failures() == []
+    assert tally.host_tokens == 80 and tally.page_mismatches == 0 and tally.failures() == [] == tally.notices()
 
     host = srv.service.pool(pool_ids["swa"]).host
     host.flat.bitwise_not_()  # every host page of the swa group is now wrong
