@@ -80,6 +80,7 @@ class TierStats:
     bytes: int
     hits: int
     misses: int
+    capacity_bytes: int = 0  # the tier's size cap; 0: none known
 
 
 @dataclass(frozen=True)

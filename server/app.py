@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from hicache.memory import fd_socket_path, serve_fds
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.sidecar.service import HiCacheService
+from hicache.storage.factory import default_file_dir
 
 from .auth import TokenInterceptor
 from .config import ServerConfig, build_parser, parse_args
@@ -215,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"hicache-server: error: {exc}", file=sys.stderr)
         return 2
+    h = config.service.hierarchy
+    if h.storage_backend == "file":
+        cap = h.extra_config.get("max_bytes")
+        folder = h.extra_config.get("dir") or default_file_dir()
+        log.info("file tier under %s: at most %s bytes of pages per model (max_bytes in the extra config)", folder, cap)
     stray = unknown_variables(build_parser(), os.environ)
     if stray:
         log.warning("ignoring environment variables that name no flag: %s", ", ".join(stray))

@@ -180,7 +180,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         )
     service = ServiceConfig(
         expected=expected,
-        hierarchy=HiCacheConfig.from_args(args),
+        hierarchy=HiCacheConfig.from_args(args).with_file_cap(),
         host_layout=args.hicache_mem_layout,
         io_backend=args.hicache_io_backend,
         lease_timeout_s=args.lease_timeout,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hicache.cache.policies import (
@@ -32,7 +32,7 @@ from hicache.cache.results import PagePool
 from hicache.cache.tiering import HierarchicalCache
 from hicache.geometry import KVGeometry
 from hicache.storage.base import StorageTier, TierIdentity
-from hicache.storage.factory import BACKENDS, check_extra, make_tier
+from hicache.storage.factory import BACKENDS, check_extra, default_file_cap, default_file_dir, make_tier
 
 _TIMEOUT_KEYS = {
     "prefetch_timeout_base_s": "base_s",
@@ -110,6 +110,14 @@ class HiCacheConfig:
                 raise ValueError(f"hicache {name} must be a number >= 0, got {value!r}")
         if self.size_gb == 0 and self.ratio <= 0:
             raise ValueError(f"hicache ratio must be > 0 when size is 0, got {self.ratio}")
+
+    def with_file_cap(self) -> HiCacheConfig:
+        """This config, with the file tier's default cap (default_file_cap) written in when
+        the backend is "file" and the extra config sets no max_bytes."""
+        if self.storage_backend != "file" or self.extra_config.get("max_bytes") is not None:
+            return self
+        folder = self.extra_config.get("dir") or default_file_dir()
+        return replace(self, extra_config={**self.extra_config, "max_bytes": default_file_cap(folder)})
 
     @property
     def storage_extra(self) -> dict[str, Any]:

@@ -29,7 +29,11 @@ def format_table(pools: list[PoolStats]) -> str:
     )
     lines = [head, "-" * len(head)]
     for s in pools:
-        tiers = "  ".join(f"{t.tier.value} {t.pages} {t.hits}/{t.misses}" for t in s.tiers)
+        tiers = "  ".join(
+            f"{t.tier.value} {t.pages} {t.hits}/{t.misses}"
+            + (f" (cap {t.capacity_bytes / 1e9:.2f} GB)" if t.capacity_bytes else "")
+            for t in s.tiers
+        )
         lines.append(
             f"{s.pool_id:22} {s.group:5} {s.namespace[:14]:14} {f'{s.used_pages}/{s.host_pages}':>11} "
             f"{s.pinned_pages:>6} {s.offload_bytes / 1e9:>10.3f} {s.offload_gbps:>6.2f} "

@@ -102,7 +102,14 @@ def event_from_pb(msg: pb.WatchEvent) -> OpEvent:
 
 def stats_to_pb(s: PoolStats) -> pb.PoolStats:
     tiers = [
-        pb.TierStats(tier=tier_to_pb(t.tier), pages=t.pages, bytes=t.bytes, hits=t.hits, misses=t.misses)
+        pb.TierStats(
+            tier=tier_to_pb(t.tier),
+            pages=t.pages,
+            bytes=t.bytes,
+            hits=t.hits,
+            misses=t.misses,
+            capacity_bytes=t.capacity_bytes,
+        )
         for t in s.tiers
     ]
     return pb.PoolStats(
@@ -129,7 +136,9 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
 
 
 def stats_from_pb(m: pb.PoolStats) -> PoolStats:
-    tiers = tuple(TierStats(tier_from_pb(t.tier), t.pages, t.bytes, t.hits, t.misses) for t in m.tiers)
+    tiers = tuple(
+        TierStats(tier_from_pb(t.tier), t.pages, t.bytes, t.hits, t.misses, t.capacity_bytes) for t in m.tiers
+    )
     return PoolStats(
         m.pool_id,
         m.group,

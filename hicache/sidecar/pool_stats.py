@@ -40,8 +40,22 @@ def pool_stats(
     """`cs`: cache.stats(); `c`: the pool's counters (read under its lock)."""
     st = cs["storage"]
     tiers = (
-        TierStats(Tier.HOST, cs["host_used_pages"], cs["host_bytes"], cs["host_hits"], cs["host_misses"]),
-        TierStats(Tier.STORAGE, st["pages"] or 0, st["bytes"] or 0, cs["storage_hits"], cs["storage_misses"]),
+        TierStats(
+            Tier.HOST,
+            cs["host_used_pages"],
+            cs["host_bytes"],
+            cs["host_hits"],
+            cs["host_misses"],
+            cs["host_pages"] * cache.geometry.page_bytes,
+        ),
+        TierStats(
+            Tier.STORAGE,
+            st["pages"] or 0,
+            st["bytes"] or 0,
+            cs["storage_hits"],
+            cs["storage_misses"],
+            st.get("capacity_bytes") or 0,
+        ),
     )
     return PoolStats(
         identity.pool_id,

@@ -74,6 +74,7 @@ class TierStats:
     healthy: bool = True
     pages: int | None = None
     bytes: int | None = None
+    capacity_bytes: int | None = None  # the size cap, when the tier has one
     hits: int = 0
     misses: int = 0
     writes: int = 0

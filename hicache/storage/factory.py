@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import threading
 import weakref
 from collections.abc import Mapping
@@ -19,6 +20,20 @@ BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {
     "redis": ("url", "timeout_s", "ttl_s", "backoff_initial_s", "backoff_max_s"),
     "none": (),
 }
+
+
+DEFAULT_FILE_SHARE = 0.10  # of the disk's free bytes at start-up
+DEFAULT_FILE_MAX = 64 << 30
+
+
+def default_file_cap(directory: str | os.PathLike[str]) -> int:
+    """The file tier's size cap when the extra config sets no max_bytes: 10% of the bytes
+    free on the folder's disk now, at most 64 GiB (at least one byte)."""
+    probe = Path(directory).resolve()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent  # the folder may not exist yet: measure the disk it will be on
+    free = shutil.disk_usage(probe).free
+    return max(1, min(DEFAULT_FILE_MAX, int(free * DEFAULT_FILE_SHARE)))
 
 
 def default_file_dir() -> Path:

@@ -297,7 +297,7 @@ class FileTier(StorageTier):
 
     def _fill_stats(self, snap: TierStats) -> None:
         with self._lock:
-            snap.pages, snap.bytes = len(self._index), self._total
+            snap.pages, snap.bytes, snap.capacity_bytes = len(self._index), self._total, self.max_bytes
 
     def check_integrity(self) -> None:
         """Assert the index's sizes add up, the cap holds, and every indexed file exists."""

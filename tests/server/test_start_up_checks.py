@@ -52,7 +52,7 @@ def test_an_sglang_extra_config_file_works_unchanged(tmp_path: Path, suffix: str
         path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in extra.items()))
     config, _ = parse_args(["--socket", "/tmp/never.sock", "--hicache-storage-backend-extra-config", f"@{path}"], {})
     h = config.service.hierarchy
-    assert h.storage_extra == {"dir": str(tmp_path / "tier")}  # the backend sees its own keys only
+    assert set(h.storage_extra) == {"dir", "max_bytes"}  # the backend sees its own keys only (and its cap)
     assert (h.prefetch_timeout.base_s, h.prefetch_timeout.per_ki_token_s) == (2.0, 0.5)
 
 
@@ -67,3 +67,51 @@ def test_the_server_command_prints_one_line_and_exits_2() -> None:
     )
     assert out.returncode == 2
     assert out.stderr.strip() == "hicache-server: error: HICACHE_RATIO='abc': --hicache-ratio takes a float"
+
+
+def test_the_default_file_tier_is_capped_at_a_share_of_the_free_disk(tmp_path: Path) -> None:
+    import shutil as sh
+
+    from hicache.storage.factory import DEFAULT_FILE_MAX, default_file_cap
+
+    folder = tmp_path / "not-yet" / "tier"  # measured on the disk it will be on
+    extra = json.dumps({"dir": str(folder)})
+    config, _ = parse_args(["--socket", "/tmp/never.sock", "--hicache-storage-backend-extra-config", extra], {})
+    cap = config.service.hierarchy.extra_config["max_bytes"]
+    free = sh.disk_usage(tmp_path).free
+    assert cap == default_file_cap(folder) and 0 < cap <= min(DEFAULT_FILE_MAX, free // 10 + 4096)
+    mine = json.dumps({"dir": str(folder), "max_bytes": 12345})
+    config, _ = parse_args(["--socket", "/tmp/never.sock", "--hicache-storage-backend-extra-config", mine], {})
+    assert config.service.hierarchy.extra_config["max_bytes"] == 12345  # a cap the operator set is kept
+
+
+def test_stats_show_each_tiers_capacity(tmp_path: Path) -> None:
+    from sidecar_util import filled_device
+
+    from hicache.api import Tier
+    from hicache.client import HiCacheClient
+    from server import create_server
+
+    extra = json.dumps({"dir": str(tmp_path / "tier"), "max_bytes": 10_000_000})
+    config, _ = parse_args(
+        [
+            "--socket",
+            str(tmp_path / "hc.sock"),
+            "--hicache-storage-backend-extra-config",
+            extra,
+            "--hicache-ratio",
+            "1",
+        ],
+        {},
+    )
+    srv, address = create_server(config)
+    dev = filled_device(4)
+    try:
+        with HiCacheClient(address) as client:
+            client.register(dev, model_id="m@1")
+            host, storage = client.stats()[0].tiers
+            assert (host.tier, host.capacity_bytes) == (Tier.HOST, 4 * dev.geometry.page_bytes)
+            assert (storage.tier, storage.capacity_bytes) == (Tier.STORAGE, 10_000_000)
+    finally:
+        srv.stop(0)
+        dev.close()
