@@ -27,7 +27,7 @@ from .config import ServerConfig, build_parser, parse_args
 from .decoding import add_servicer
 from .envflags import unknown_variables
 from .health_monitor import HealthMonitor
-from .logs import configure_logging
+from .logs import announce, configure_logging
 from .metrics import Metrics
 from .servicer import HiCacheServicer
 
@@ -236,10 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server, address = create_server(config)
     except (ValueError, OSError) as exc:
-        print(f"hicache-server: error: {exc}", file=sys.stderr)
+        announce(config.log_format, f"error: {exc}", sys.stderr, level="ERROR")
         return 2
-    metrics = f"; metrics on :{server.metrics_port}/metrics" if server.metrics_port is not None else ""
-    print(f"hicache-server: serving on {' '.join(server.addresses)}{metrics}", flush=True)
+    metrics = None if server.metrics_port is None else f"http://{config.metrics_host}:{server.metrics_port}/metrics"
+    announce(
+        config.log_format,
+        f"serving on {' '.join(server.addresses)}" + (f"; metrics on {metrics}" if metrics else ""),
+        sys.stdout,
+        addresses=server.addresses,
+        metrics=metrics,
+    )
     while not stop.wait(0.5):
         pass
     server.stop()

@@ -40,3 +40,14 @@ def configure_logging(level: str, fmt: str = "text", stream: TextIO | None = Non
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
+
+
+def announce(fmt: str, message: str, stream: TextIO, level: str = "INFO", **fields: Any) -> None:
+    """A line the operator must see whatever the log level (the "serving on" banner, a
+    start-up error): plain "hicache-server: ..." text, or one JSON object with --log-format json."""
+    if fmt == "json":
+        record = logging.LogRecord("hicache.server", logging.getLevelName(level), "", 0, message, None, None)
+        record.__dict__.update(fields)
+        print(JsonFormatter().format(record), file=stream, flush=True)
+    else:
+        print(f"hicache-server: {message}", file=stream, flush=True)

@@ -115,3 +115,32 @@ def test_stats_show_each_tiers_capacity(tmp_path: Path) -> None:
     finally:
         srv.stop(0)
         dev.close()
+
+
+def test_with_json_logs_every_line_is_json_and_the_banner_names_the_bound_metrics_port(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--socket", str(tmp_path / "hc.sock"), "--log-format", "json"]
+        + ["--metrics-port", "0", "--hicache-storage-backend-extra-config", json.dumps({"dir": str(tmp_path / "t")})],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "serving on" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+    records = [json.loads(x) for x in [*lines, *rest.splitlines()] if x.strip()]  # each line is one object
+    banner = next(r for r in records if r["msg"].startswith("serving on"))
+    port = int(banner["metrics"].rsplit(":", 1)[1].split("/")[0])
+    assert port > 0 and banner["metrics"] == f"http://127.0.0.1:{port}/metrics"
+    assert any("file tier under" in r["msg"] and "bytes of pages per model" in r["msg"] for r in records)
