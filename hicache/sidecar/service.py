@@ -41,6 +41,7 @@ from hicache.sidecar.pool_factory import build_pool
 from hicache.sidecar.pool_table import PoolTable
 from hicache.sidecar.registration import PoolRequest, check_geometry
 from hicache.sidecar.request_cache import RequestCache, fingerprint
+from hicache.storage.factory import backend_reachable
 
 log = logging.getLogger("hicache.sidecar")
 
@@ -269,13 +270,24 @@ class HiCacheService:
 
     def healthy(self) -> tuple[bool, str]:
         """(True, "") when every configured tier can serve; (False, why) while a registered
-        pool's storage tier is down (the gRPC health service then says NOT_SERVING)."""
-        return storage_health(self.pool_snapshots())
+        pool's storage tier is down, or, before any pool registers, while the configured
+        backend is unreachable (the gRPC health service then says NOT_SERVING)."""
+        pools = self.pool_snapshots()
+        if not pools:
+            h = self.config.hierarchy
+            return backend_reachable(h.storage_backend, h.storage_extra)
+        return storage_health(pools)
 
     def degraded_but_serving(self) -> tuple[bool, str]:
         """healthy() for a sidecar whose storage tier is optional: logs what is down but
         always answers serving, since host memory still serves."""
-        return degraded_but_serving(self.pool_snapshots())
+        pools = self.pool_snapshots()
+        if pools:
+            return degraded_but_serving(pools)
+        ok, why = self.healthy()
+        if not ok:
+            log.warning("storage degraded, still serving from host memory: %s", why)
+        return True, ""
 
     def close(self) -> None:
         """Refuse new registrations and release every pool after its in-flight work. Idempotent."""

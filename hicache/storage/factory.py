@@ -104,3 +104,28 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
     from hicache.storage.null import NullTier
 
     return NullTier(identity)
+
+
+def backend_reachable(backend: str, extra: Mapping[str, Any]) -> tuple[bool, str]:
+    """Whether the configured backend can serve before any pool has a tier of it (the
+    health service at start-up): (True, "") or (False, why). Redis: a PING within its
+    timeout_s; file: the folder (or its nearest existing parent) is writable. Never raises."""
+    if backend == "redis":
+        try:
+            import redis
+
+            timeout = float(extra.get("timeout_s", 1.0))
+            client = redis.Redis.from_url(extra["url"], socket_timeout=timeout, socket_connect_timeout=timeout)
+            try:
+                client.ping()
+            finally:
+                client.close()
+        except Exception as exc:
+            return False, f"storage backend 'redis' at {extra.get('url')} is unreachable: {type(exc).__name__}: {exc}"
+    elif backend == "file":
+        probe = Path(extra.get("dir") or default_file_dir()).resolve()
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not os.access(probe, os.W_OK):
+            return False, f"storage backend 'file': {probe} is not writable"
+    return True, ""

@@ -79,3 +79,22 @@ def test_health_exits_as_grpc_health_probe_does(capsys, tmp_path):
         srv.stop(0)
         dev.close()
     assert [health_exit_code(s) for s in ("SERVING", "UNAVAILABLE", "NOT_SERVING", "NOT_FOUND")] == [0, 2, 4, 3]
+
+
+def test_an_unreachable_redis_is_not_serving_from_the_start(capsys, tmp_path):
+    from hicache.cache.config import HiCacheConfig
+
+    dead = HiCacheConfig(storage_backend="redis", extra_config={"url": "redis://127.0.0.1:1", "timeout_s": 0.2})
+    sock = str(tmp_path / "hc.sock")
+    srv, _ = create_server(ServerConfig(socket=sock, service=ServiceConfig(hierarchy=dead)))
+    try:  # no pool has registered yet: the configured backend itself is probed
+        assert main(["health", "--socket", sock]) == 4
+        assert capsys.readouterr().out.strip() == "NOT_SERVING"
+    finally:
+        srv.stop(0)
+    sock2 = str(tmp_path / "ok.sock")
+    srv, _ = create_server(ServerConfig(socket=sock2, storage_optional=True, service=ServiceConfig(hierarchy=dead)))
+    try:  # an optional tier only degrades the sidecar
+        assert main(["health", "--socket", sock2]) == 0
+    finally:
+        srv.stop(0)

@@ -157,7 +157,7 @@ def test_health_is_not_serving_while_the_storage_tier_is_down(sockdir):
         ServerConfig(socket=os.path.join(sockdir, "hc.sock"), service=svc, health_interval_s=0.05)
     )
     try:
-        assert check_health(address) == "SERVING"  # no pool, no tier yet
+        assert check_health(address) == "NOT_SERVING"  # no pool yet: the configured Redis itself is probed
         dev = filled_device(4)
         with HiCacheClient(address) as client:
             client.register(dev, model_id="mimo@test")
@@ -169,11 +169,11 @@ def test_health_is_not_serving_while_the_storage_tier_is_down(sockdir):
             assert check_health(address) == "NOT_SERVING"
             assert check_health(address, service="hicache.v1.HiCache") == "NOT_SERVING"
             assert srv.service.healthy()[1].startswith("pool ") and "redis" in srv.service.healthy()[1]
-        for _ in range(400):  # the pool is gone with its client: healthy again
-            if check_health(address) == "SERVING":
+        for _ in range(400):  # the pool is gone with its client: the backend probe speaks again
+            if "unreachable" in srv.service.healthy()[1]:
                 break
             time.sleep(0.05)
-        assert check_health(address) == "SERVING"
+        assert check_health(address) == "NOT_SERVING" and "unreachable" in srv.service.healthy()[1]
         dev.close()
     finally:
         srv.stop(0)
