@@ -2,12 +2,15 @@
 # example engine (compose's `engine` service) from the same image.
 #   CPU (default):  docker build -t hicache .
 #   CUDA:           docker build -t hicache:cuda --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 \
-#                       --build-arg EXTRAS="[cuda,storage]" .
+#                       --build-arg EXTRAS="[cuda,storage]" --build-arg KEEP_CC=1 .
+# KEEP_CC=1 keeps gcc in the image: on CUDA, Triton compiles its launcher with the C compiler
+# at run time (the first kernel launch); the CPU image needs none after the build.
 FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG EXTRAS="[storage]"
+ARG KEEP_CC=0
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -25,14 +28,21 @@ COPY pyproject.toml setup.py README.md ./
 COPY hicache ./hicache
 COPY server ./server
 COPY proto ./proto
-# gcc only for the build of the C copy extension (hicache/transfer/_native.c), then removed.
+# gcc for the build of the C copy extension (hicache/transfer/_native.c); removed afterwards
+# unless KEEP_CC=1 (CUDA: Triton needs it at run time). Not pinned (DL3008): Debian drops old
+# versions of these packages from its archive, so a pin would break the build, and they only
+# compile. The pip install is this checkout itself (DL3013); its dependencies follow
+# pyproject.toml. `python -P`: import the installed package, not the source folder.
+# hadolint ignore=DL3008,DL3013
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && pip install ".${EXTRAS}" \
- && (cd / && python -c "from hicache.transfer import native; assert native.available(), 'C extension not built'") \
- && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
+ && python -P -c "from hicache.transfer import native; assert native.available(), 'C extension not built'" \
+ && if [ "${KEEP_CC}" != "1" ]; then apt-get purge -y gcc libc6-dev && apt-get autoremove -y; fi \
+ && rm -rf /var/lib/apt/lists/*
 
-USER hicache
+# the numeric uid of the hicache user created above (DL3066: resolvable on the host too)
+USER 1000
 # /run/hicache: the socket (share it with the engine); /var/lib/hicache: the file tier.
 VOLUME ["/run/hicache", "/var/lib/hicache"]
 EXPOSE 9400
