@@ -3,6 +3,7 @@ run of every service as a local process, and `docker compose up` when Docker is 
 
 from __future__ import annotations
 
+import json
 import platform
 import shutil
 import subprocess
@@ -134,3 +135,33 @@ def test_docker_compose_up_exits_0():
         assert "result: all checks passed" in r.stdout
     finally:
         subprocess.run([*cmd, "down", "-v"], cwd=ROOT, capture_output=True, timeout=300)
+
+
+def test_the_gpu_compose_file_is_a_real_sglang_deployment() -> None:
+    gpu = yaml.safe_load((ROOT / "deploy" / "compose.gpu.yml").read_text())
+    s = gpu["services"]
+    assert set(s) == {"redis", "hicache", "sglang"}
+    build = s["hicache"]["build"]
+    assert (ROOT / "deploy" / build["context"] / "Dockerfile").is_file()
+    assert "cu" in build["args"]["TORCH_INDEX"] and "cuda" in build["args"]["EXTRAS"]
+    assert build["args"]["KEEP_CC"] == "1" and "ARG KEEP_CC" in (ROOT / "Dockerfile").read_text()
+    for name in ("hicache", "sglang"):
+        (device,) = s[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert s[name]["shm_size"] and any(str(v).startswith("hicache-run:/run/hicache") for v in s[name]["volumes"])
+    assert s["sglang"]["ipc"] == "service:hicache" and s["hicache"]["ipc"] == "shareable"
+    assert s["sglang"]["depends_on"]["hicache"]["condition"] == "service_healthy"
+    # the sidecar's flags parse (the model config mapped to a real one, as a container would see it)
+    fixture = ROOT / "tests" / "fixtures" / "model_configs" / "mimo_v2_flash.json"
+    argv = [a.replace("/models/model/config.json", str(fixture)) for a in s["hicache"]["command"]]
+    env = {k: str(v) for k, v in s["hicache"]["environment"].items()}
+    config, _ = parse_args(["--socket", "/tmp/never.sock", *argv], env)
+    assert config.service.hierarchy.storage_backend == "redis"
+    # SGLang's flags name hicache's backend class, on the sidecar's socket, with the same page size
+    flags = dict(a.removeprefix("--").split("=", 1) for a in s["sglang"]["command"] if a.startswith("--") and "=" in a)
+    extra = json.loads(flags["hicache-storage-backend-extra-config"])
+    assert extra["target"] == "unix://" + env["HICACHE_SOCKET"] and extra["interface_v1"] == 1
+    module = ROOT / (extra["module_path"].replace(".", "/") + "/backend.py")
+    assert f"class {extra['class_name']}(" in module.read_text()
+    assert flags["page-size"] == str(config.service.expected["full"].page_size)
+    assert "--enable-hierarchical-cache" in s["sglang"]["command"]
