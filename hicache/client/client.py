@@ -63,6 +63,9 @@ class RegisteredPool:
     secret: str = field(default="", repr=False)  # sent with every call naming the pool
 
 
+PoolRef = RegisteredPool | str | None  # pool=: what register() returned, its pool_id, or the default
+
+
 class HiCacheClient:
     """A connection to one sidecar. Thread-safe; close() unregisters this client's pools."""
 
@@ -108,17 +111,19 @@ class HiCacheClient:
             raise ValueError(f"attach needs a pool id and its secret, got {pool_id!r}")
         self._secrets[pool_id] = secret
 
-    def _pool(self, pool: str | None) -> RegisteredPool:
-        pool_id = pool or self._default
+    def _pool(self, pool: PoolRef) -> RegisteredPool:
+        pool_id = (pool.pool_id if isinstance(pool, RegisteredPool) else pool) or self._default
         if pool_id is None:
             raise ValueError("no pool registered: call register() first")
         if pool_id not in self._pools:
             raise KeyError(f"pool {pool_id!r} was not registered by this client")
         return self._pools[pool_id]
 
-    def _pool_id(self, pool: str | None) -> str:
+    def _pool_id(self, pool: PoolRef) -> str:
         """The pool a read or pin call names: one of this client's, or one it attached.
         Default: the default pool."""
+        if isinstance(pool, RegisteredPool):
+            return pool.pool_id
         return pool if pool is not None else self._pool(None).pool_id
 
     @staticmethod
@@ -218,7 +223,7 @@ class HiCacheClient:
             raise ValueError(f"fds can be sent only to a sidecar on a Unix socket, not {self.target!r}")
         return send_fds(self.target.removeprefix("unix://"), fds, timeout=self.timeout)
 
-    def unregister(self, pool: str | None = None, *, retry: bool = True) -> None:
+    def unregister(self, pool: PoolRef = None, *, retry: bool = True) -> None:
         info = self._pool(pool)
         request = pb.UnregisterPoolRequest(request_id=self._rid(), pool_id=info.pool_id)
         self._call(self._stub.UnregisterPool, request, retry=retry, pool=info.pool_id)
@@ -228,14 +233,14 @@ class HiCacheClient:
 
     # ---- keys -----------------------------------------------------------------------------------
     def page_keys(
-        self, token_ids: Sequence[int] | np.ndarray, parent: bytes | None = None, pool: str | None = None
+        self, token_ids: Sequence[int] | np.ndarray, parent: bytes | None = None, pool: PoolRef = None
     ) -> list[bytes]:
         """Keys of the full pages of `token_ids` with the pool's page size, namespace and hash."""
         info = self._pool(pool)
         return page_keys(token_ids, info.page_size, info.namespace, parent, info.key_hash)  # type: ignore[arg-type]
 
     # ---- calls -----------------------------------------------------------------------------------
-    def offload(self, keys: Sequence[bytes], device_pages: Sequence[int], *, pool: str | None = None) -> TransferResult:
+    def offload(self, keys: Sequence[bytes], device_pages: Sequence[int], *, pool: PoolRef = None) -> TransferResult:
         """Copy device_pages[i] to the host under keys[i]: STORED, DEDUPLICATED or NO_SPACE each."""
         req = pb.OffloadRequest(
             request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), device_pages=_ints(device_pages)
@@ -244,7 +249,7 @@ class HiCacheClient:
         return TransferResult(convert.statuses_from_pb(r.statuses), r.bytes_copied)
 
     def reload(
-        self, keys: Sequence[bytes], device_pages: Sequence[int], *, layerwise: bool = False, pool: str | None = None
+        self, keys: Sequence[bytes], device_pages: Sequence[int], *, layerwise: bool = False, pool: PoolRef = None
     ) -> ReloadHandle:
         """Copy keys[i] from the host into device_pages[i]; absent keys are NOT_FOUND and their
         device pages untouched. Not layer-wise, the copy is done when this returns."""
@@ -265,7 +270,7 @@ class HiCacheClient:
 
         return ReloadHandle(result, info.layer_num, None if r.done else watch)
 
-    def prefetch(self, keys: Sequence[bytes], *, policy: str = "", pool: str | None = None) -> PrefetchOutcome:
+    def prefetch(self, keys: Sequence[bytes], *, policy: str = "", pool: PoolRef = None) -> PrefetchOutcome:
         """Bring keys from the storage tier into host memory: each key is RESIDENT, FETCHING
         (best_effort: still going; watch(op_id) streams progress), FETCHED, NO_SPACE (pinned
         or referenced pages fill the host pool), NOT_FOUND (in storage but not brought in:
@@ -275,7 +280,7 @@ class HiCacheClient:
         r = self._call(self._stub.Prefetch, req, pool=req.pool_id)
         return PrefetchOutcome(convert.statuses_from_pb(r.statuses), r.op_id, r.done, r.timed_out)
 
-    def watch(self, op_id: str, *, pool: str | None = None, no_deadline: bool = False) -> Iterator[OpEvent]:
+    def watch(self, op_id: str, *, pool: PoolRef = None, no_deadline: bool = False) -> Iterator[OpEvent]:
         """The progress events of an operation (a layer-wise reload or a prefetch) until it ends.
 
         The whole stream has the client's timeout as its deadline; no_deadline=True follows
@@ -288,7 +293,7 @@ class HiCacheClient:
         except grpc.RpcError as exc:
             raise HiCacheRpcError(exc.code(), exc.details() or "") from None
 
-    def evict(self, keys: Sequence[bytes] = (), num_pages: int = 0, *, pool: str | None = None) -> EvictResult:
+    def evict(self, keys: Sequence[bytes] = (), num_pages: int = 0, *, pool: PoolRef = None) -> EvictResult:
         """Drop `keys`, or free num_pages host pages, least recently used first."""
         req = pb.EvictRequest(
             request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), num_pages=num_pages
@@ -296,19 +301,19 @@ class HiCacheClient:
         r = self._call(self._stub.Evict, req, pool=req.pool_id)
         return EvictResult(convert.statuses_from_pb(r.statuses), r.pages_freed)
 
-    def lookup(self, keys: Sequence[bytes], *, pool: str | None = None) -> LookupResult:
+    def lookup(self, keys: Sequence[bytes], *, pool: PoolRef = None) -> LookupResult:
         req = pb.LookupRequest(pool_id=self._pool_id(pool), keys=list(keys))
         return convert.lookup_from_pb(self._call(self._stub.Lookup, req, pool=req.pool_id))
 
-    def pin(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
+    def pin(self, keys: Sequence[bytes], *, pool: PoolRef = None) -> tuple[KeyStatus, ...]:
         req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys))
         return convert.statuses_from_pb(self._call(self._stub.Pin, req, pool=req.pool_id).statuses)
 
-    def unpin(self, keys: Sequence[bytes], *, pool: str | None = None) -> tuple[KeyStatus, ...]:
+    def unpin(self, keys: Sequence[bytes], *, pool: PoolRef = None) -> tuple[KeyStatus, ...]:
         req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys))
         return convert.statuses_from_pb(self._call(self._stub.Unpin, req, pool=req.pool_id).statuses)
 
-    def stats(self, pool: str | None = None, *, all_pools: bool = False) -> list[PoolStats]:
+    def stats(self, pool: PoolRef = None, *, all_pools: bool = False) -> list[PoolStats]:
         """Stats of one of this client's pools (default: the default pool), or of every pool on
         the sidecar (all_pools=True: needs the client's admin_token)."""
         if all_pools:  # every pool's id and namespace: the sidecar's admin token only

@@ -114,3 +114,18 @@ def test_attach_needs_an_id_and_a_secret(served: tuple[Any, str]) -> None:
         for pool_id, secret in (("", "s"), ("pool-1", ""), ("pool-1", None)):
             with pytest.raises(ValueError, match="attach needs a pool id and its secret"):
                 client.attach(pool_id, secret)  # type: ignore[arg-type]
+
+
+def test_pool_takes_what_register_returned_or_its_id(served: tuple[Any, str]) -> None:
+    _, address = served
+    dev_a, dev_b = filled_device(4, seed=1), filled_device(4, seed=2)
+    with HiCacheClient(address, timeout=20) as client:
+        a = client.register(dev_a, namespace="a")
+        b = client.register(dev_b, namespace="b")  # now the default
+        keys = keys_for(1, seed=9)
+        assert client.offload(keys, [0], pool=a).statuses == (KeyStatus.STORED,)
+        assert client.lookup(keys, pool=a).tiers == (Tier.HOST,) == client.lookup(keys, pool=a.pool_id).tiers
+        assert client.lookup(keys).tiers == (Tier.NONE,)  # the default pool is b
+        assert client.stats(pool=a)[0].namespace == "a" and client.stats(pool=b.pool_id)[0].namespace == "b"
+    dev_a.close()
+    dev_b.close()
