@@ -8,24 +8,27 @@ nothing here adds work to a call), and an interceptor times every RPC:
   hicache_hits_total{tier} / hicache_misses_total{tier}   lookups per tier
   hicache_evictions_total{tier}                 host: LRU evictions; storage: its size cap
   hicache_checksum_failures_total{tier}         stored pages that failed their checksum (served as misses)
-  hicache_transfer_gbps{direction}              device<->host copy rate (cumulative bytes / copy time)
-  hicache_host_pool_pages{state}                total, used, pinned; hicache_host_pool_occupancy_ratio
+  hicache_transfer_seconds_total{direction}     time in device<->host copies (rate: bytes / seconds)
+  hicache_host_pool_pages{state}                used, pinned; hicache_host_pool_capacity_pages
   hicache_storage_healthy{backend}, hicache_storage_write_queue_pages, hicache_pools
   hicache_copy_backend_info{backend}            1 for the pool's copy path: native, torch or triton
   hicache_rpc_duration_seconds{method,code}     histogram of every RPC
 
-Per-pool series carry the labels pool, group and namespace.
+Per-pool series carry the labels pool (model|namespace|group|rank: stable across
+re-registrations), group and namespace. The process collector adds process_* (CPU, memory,
+open fds).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -37,23 +40,25 @@ RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 
 
 class ServiceCollector(Collector):
-    """Turns the service's per-pool stats into metric families at each scrape."""
+    """Turns the service's per-pool stats into metric families at each scrape. A pool's
+    series are labelled by its stable name (model|namespace|group|rank), not its random id,
+    so they continue across re-registrations; pools that share a name (two replicas of one
+    engine) are summed."""
 
     def __init__(self, service: HiCacheService):
         self.service = service
 
     def collect(self) -> Iterator[Metric]:
-        c = CounterMetricFamily
-        g = GaugeMetricFamily
+        c, g = CounterMetricFamily, GaugeMetricFamily
         pages = c("hicache_pages", "Pages moved, by direction and tier", labels=[*POOL, "direction", "tier"])
         nbytes = c("hicache_bytes", "Bytes moved, by direction and tier", labels=[*POOL, "direction", "tier"])
+        seconds = c("hicache_transfer_seconds", "Time spent in device<->host copies", labels=[*POOL, "direction"])
         hits = c("hicache_hits", "Keys found, per tier", labels=[*POOL, "tier"])
         misses = c("hicache_misses", "Keys not found, per tier", labels=[*POOL, "tier"])
         evictions = c("hicache_evictions", "Pages evicted, per tier", labels=[*POOL, "tier"])
         checksum = c("hicache_checksum_failures", "Stored pages that failed their checksum", labels=[*POOL, "tier"])
-        gbps = g("hicache_transfer_gbps", "Device<->host copy rate in GB/s", labels=[*POOL, "direction"])
-        host = g("hicache_host_pool_pages", "Host pool pages by state", labels=[*POOL, "state"])
-        occupancy = g("hicache_host_pool_occupancy_ratio", "Used / total host pool pages", labels=POOL)
+        host = g("hicache_host_pool_pages", "Host pool pages in use, by state", labels=[*POOL, "state"])
+        capacity = g("hicache_host_pool_capacity_pages", "Host pool pages in all", labels=POOL)
         healthy = g("hicache_storage_healthy", "1 if the storage tier can serve", labels=[*POOL, "backend"])
         queue = g("hicache_storage_write_queue_pages", "Pages waiting to be written to storage", labels=POOL)
         copies = g(
@@ -61,13 +66,18 @@ class ServiceCollector(Collector):
             "1 for the backend of the pool's device<->host copies",
             labels=[*POOL, "backend"],
         )
+        sums: dict[tuple[Any, ...], float] = defaultdict(float)
+        lows: dict[tuple[Any, ...], float] = {}
+        infos: set[tuple[Any, ...]] = set()
         pools = self.service.pool_snapshots()
         for pool in pools:
             try:
                 s, cs = pool.stats(), pool.cache.stats()
+                with pool.lock:
+                    copy_s = (pool.counters.offload_s, pool.counters.reload_s)
             except Exception:  # released while we looked: it is gone from the next scrape
                 continue
-            ids = [s.pool_id, s.group, s.namespace]
+            ids = (pool.identity.series, s.group, s.namespace)
             st, pb = cs["storage"], max(s.page_bytes, 1)
             moved = (
                 ("device_to_host", "host", s.offload_bytes // pb, s.offload_bytes),
@@ -76,23 +86,34 @@ class ServiceCollector(Collector):
                 ("storage_to_host", "storage", st["bytes_read"] // pb, st["bytes_read"]),
             )
             for direction, tier, n_pages, n_bytes in moved:
-                pages.add_metric([*ids, direction, tier], n_pages)
-                nbytes.add_metric([*ids, direction, tier], n_bytes)
+                sums[("pages", *ids, direction, tier)] += n_pages
+                sums[("bytes", *ids, direction, tier)] += n_bytes
+            sums[("seconds", *ids, "device_to_host")] += copy_s[0]
+            sums[("seconds", *ids, "host_to_device")] += copy_s[1]
             for t in s.tiers:
-                hits.add_metric([*ids, t.tier.value], t.hits)
-                misses.add_metric([*ids, t.tier.value], t.misses)
-            evictions.add_metric([*ids, "host"], pool.index.evictions)
-            evictions.add_metric([*ids, "storage"], st["evictions"])
-            checksum.add_metric([*ids, "storage"], st["corrupt"])
-            gbps.add_metric([*ids, "device_to_host"], s.offload_gbps)
-            gbps.add_metric([*ids, "host_to_device"], s.reload_gbps)
-            for state, n in (("total", s.host_pages), ("used", s.used_pages), ("pinned", s.pinned_pages)):
-                host.add_metric([*ids, state], n)
-            occupancy.add_metric(ids, s.used_pages / max(s.host_pages, 1))
-            healthy.add_metric([*ids, s.storage_backend], 1.0 if s.storage_healthy else 0.0)
-            queue.add_metric(ids, s.storage_write_queue)
-            copies.add_metric([*ids, s.copy_backend], 1.0)
-        yield from (pages, nbytes, hits, misses, evictions, checksum, gbps, host, occupancy, healthy, queue, copies)
+                sums[("hits", *ids, t.tier.value)] += t.hits
+                sums[("misses", *ids, t.tier.value)] += t.misses
+            sums[("evictions", *ids, "host")] += pool.index.evictions
+            sums[("evictions", *ids, "storage")] += st["evictions"]
+            sums[("checksum", *ids, "storage")] += st["corrupt"]
+            sums[("host", *ids, "used")] += s.used_pages
+            sums[("host", *ids, "pinned")] += s.pinned_pages
+            sums[("capacity", *ids)] += s.host_pages
+            sums[("queue", *ids)] += s.storage_write_queue
+            key = ("healthy", *ids, s.storage_backend)
+            lows[key] = min(lows.get(key, 1.0), 1.0 if s.storage_healthy else 0.0)
+            infos.add((*ids, s.copy_backend))
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            "pages": pages, "bytes": nbytes, "seconds": seconds, "hits": hits, "misses": misses,
+            "evictions": evictions, "checksum": checksum, "host": host, "capacity": capacity, "queue": queue,
+        }  # fmt: skip
+        for (name, *labels), value in sums.items():
+            families[name].add_metric(labels, value)
+        for (_, *labels), value in lows.items():
+            healthy.add_metric(labels, value)
+        for info in sorted(infos):
+            copies.add_metric(list(info), 1.0)
+        yield from (*families.values(), healthy, copies)
         yield GaugeMetricFamily("hicache_pools", "Registered pools", value=len(pools))
 
 
@@ -152,6 +173,7 @@ class Metrics:
     def __init__(self, service: HiCacheService):
         self.registry = CollectorRegistry()
         self.registry.register(ServiceCollector(service))
+        ProcessCollector(registry=self.registry)
         self.rpc_seconds = Histogram(
             "hicache_rpc_duration_seconds",
             "RPC latency by method and status code",

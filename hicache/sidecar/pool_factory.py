@@ -42,6 +42,7 @@ def build_pool(
             req.key_hash,
             KEY_BYTES[req.key_hash],
             secrets.token_hex(16),
+            f"tp{req.tp_rank}of{req.tp_size}",
         )
         pool = RegisteredPool(
             identity,

@@ -24,6 +24,13 @@ class PoolIdentity:
     key_hash: str
     key_bytes: int
     secret: str = field(default="", repr=False)  # what a caller must present to use the pool
+    rank: str = "tp0of1"  # the engine rank's slice (tensor parallelism), for stable metric labels
+
+    @property
+    def series(self) -> str:
+        """A name for the pool that survives re-registration (its id does not): model,
+        namespace, group and rank. Metrics label per-pool series with it."""
+        return f"{self.model_id or 'unnamed'}|{self.namespace}|{self.group}|{self.rank}"
 
 
 @dataclass(frozen=True)

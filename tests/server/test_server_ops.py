@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sidecar_util import filled_device, mimo_geometries
+from sidecar_util import ROOT, filled_device, mimo_geometries
 
 from hicache.cache.config import HiCacheConfig
 from hicache.client import HiCacheClient
@@ -135,8 +135,12 @@ def test_metrics_count_pages_bytes_tiers_and_rpc_latency(sockdir):
         assert m[("hicache_bytes_total", (("direction", "host_to_device"), g, ("tier", "host")))] == 2 * pb
         assert m[("hicache_pages_total", (("direction", "host_to_storage"), g, ("tier", "storage")))] == 6
         assert m[("hicache_evictions_total", (g, ("tier", "host")))] == 2
-        assert m[("hicache_host_pool_pages", (g, ("state", "total")))] == 4
-        assert m[("hicache_host_pool_occupancy_ratio", (g,))] == 1.0
+        assert m[("hicache_host_pool_capacity_pages", (g,))] == 4
+        assert m[("hicache_host_pool_pages", (g, ("state", "used")))] == 4
+        assert not any(labels and ("state", "total") in labels for _, labels in m)  # capacity is its own metric
+        assert m[("hicache_transfer_seconds_total", (("direction", "device_to_host"), g))] > 0
+        assert not any(name.endswith("_gbps") for name, _ in m)  # base units only
+        assert m[("process_resident_memory_bytes", ())] > 0  # the process collector
         assert m[("hicache_hits_total", (g, ("tier", "host")))] >= 1
         assert m[("hicache_checksum_failures_total", (g, ("tier", "storage")))] == 0
         assert m[("hicache_storage_healthy", (("backend", "file"), g))] == 1.0
@@ -238,3 +242,50 @@ def test_only_unknown_ids_map_to_not_found():
     with pytest.raises(Aborted) as internal:
         abort_for(KeyError("some internal table"), Context())  # type: ignore[arg-type]
     assert internal.value.args[0] == grpc.StatusCode.INTERNAL  # a bug, not a missing id
+
+
+def test_pool_series_keep_their_name_across_registrations_and_the_dashboard_queries_only_exported_metrics(sockdir):
+    import json
+    import re
+
+    from hicache.sidecar.config import ServiceConfig as SC
+
+    cfg = ServerConfig(socket=os.path.join(sockdir, "hc.sock"), service=SC(expected=mimo_geometries()), metrics_port=0)
+    srv, address = create_server(cfg)
+    try:
+        dev = filled_device(4)
+
+        def pool_labels() -> set[str]:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
+            return {
+                s.labels["pool"] for f in text_string_to_metric_families(body) for s in f.samples if "pool" in s.labels
+            }
+
+        with HiCacheClient(address) as client:
+            first = client.register(dev, model_id="mimo@test", namespace="ns")
+            before = pool_labels()
+            client.unregister(first.pool_id)
+            second = client.register(dev, model_id="mimo@test", namespace="ns")
+            assert second.pool_id != first.pool_id
+            assert pool_labels() == before == {"mimo@test|ns|full|tp0of1"}  # not the random pool id
+            with HiCacheClient(address) as replica:  # a second pool of the same name: summed, one series
+                replica.register(dev, model_id="mimo@test", namespace="ns")
+                assert pool_labels() == before
+                body = (
+                    urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
+                )
+                families = list(text_string_to_metric_families(body))
+                (cap,) = [s for f in families for s in f.samples if s.name == "hicache_host_pool_capacity_pages"]
+                assert cap.value == 2 * second.host_pages
+        exported = {s.name for f in families for s in f.samples}
+        dash = json.loads((ROOT / "deploy" / "grafana" / "hicache.json").read_text())
+        queried = {
+            name
+            for p in dash["panels"]
+            for t in p["targets"]
+            for name in re.findall(r"\b(hicache_[a-z_]+|process_[a-z_]+)\b", t["expr"])
+        }
+        assert queried and queried <= exported, queried - exported
+        dev.close()
+    finally:
+        srv.stop(0)
