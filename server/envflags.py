@@ -26,7 +26,9 @@ def env_name(flag: str) -> str:
 
 def _long_flags(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action]]:
     out = []
-    for action in parser._actions:  # argparse has no public list of its actions
+    # argparse has no public list of its actions; ConfigArgParse would do the env mapping but
+    # brings its own config-file syntax, and this rule is 20 lines: kept
+    for action in parser._actions:
         longs = [s for s in action.option_strings if s.startswith("--") and s not in ("--help", "--version")]
         if longs:
             out.append((longs[0], action))

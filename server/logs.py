@@ -12,7 +12,7 @@ LOG_FORMATS = ("text", "json")
 _RECORD_FIELDS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
-class JsonFormatter(logging.Formatter):
+class JsonFormatter(logging.Formatter):  # a dozen lines: not worth python-json-logger as a dependency
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",

@@ -62,6 +62,9 @@ class Connection:
         once with UNAVAILABLE, so an engine never stalls a forward pass on a dead cache.
         `retry`: an UNAVAILABLE call is retried (same request id) `retries` times. `extra`:
         more metadata (a pool's secret). Raises HiCacheRpcError."""
+        # Kept by hand rather than gRPC's service-config retryPolicy: the policy retries inside
+        # the channel where this loop can log nothing and cannot tell a first contact (wait)
+        # from a call to a dead sidecar, which must fail at once; the request id makes either safe.
         attempts = 1 + (self.retries if retry else 0)
         metadata = self.metadata + extra
         for attempt in range(attempts):

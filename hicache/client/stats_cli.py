@@ -18,7 +18,7 @@ def stats_to_dict(s: PoolStats) -> dict[str, Any]:
     return d
 
 
-def format_table(pools: list[PoolStats]) -> str:
+def format_table(pools: list[PoolStats]) -> str:  # f-strings, not rich: the server image stays dependency-light
     """One row per pool: occupancy, bytes moved, GB/s and per-tier hits/misses."""
     if not pools:
         return "no pools registered"

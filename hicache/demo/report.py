@@ -72,7 +72,7 @@ class Tally:
         return []
 
 
-class Progress:
+class Progress:  # plain lines, not rich: they read the same in a CI log, a pipe and a terminal
     """A one-line progress bar on a terminal; on anything else a line at every quarter."""
 
     def __init__(self, total: int, stream: TextIO = sys.stderr, width: int = 30):

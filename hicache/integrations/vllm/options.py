@@ -39,6 +39,8 @@ class Options:
     retry_s: float = 5.0
     rendezvous_dir: str | None = None
 
+    # By hand, not pydantic: seven fields, and the messages name vLLM's config key as operators
+    # type it; pydantic's would be longer and name model fields.
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> Options:
         """Raises ValueError naming the key and its bad value."""
