@@ -8,6 +8,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+# call metadata: a pool's secret (every call naming the pool), the admin token (all-pool stats)
+POOL_SECRET = "x-hicache-pool-secret"
+ADMIN_TOKEN = "x-hicache-admin-token"
+
 
 class KeyStatus(enum.Enum):
     """Per-key outcome; names match hicache.v1.KeyStatus without the KEY_STATUS_ prefix."""

@@ -15,6 +15,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
+from hicache.api import ADMIN_TOKEN, POOL_SECRET
 from hicache.rpc import convert
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
@@ -55,10 +56,6 @@ def _mapped(method: F) -> F:
             abort_for(exc, context)
 
     return wrapper  # type: ignore[return-value]
-
-
-POOL_SECRET = "x-hicache-pool-secret"
-ADMIN_TOKEN = "x-hicache-admin-token"
 
 
 class Forbidden(Exception):

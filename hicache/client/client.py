@@ -31,8 +31,18 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from hicache.api import EvictResult, KeyStatus, LookupResult, OpEvent, PoolStats, PrefetchOutcome, TransferResult
-from hicache.client.connection import ADMIN_TOKEN, POOL_SECRET, Connection
+from hicache.api import (
+    ADMIN_TOKEN,
+    POOL_SECRET,
+    EvictResult,
+    KeyStatus,
+    LookupResult,
+    OpEvent,
+    PoolStats,
+    PrefetchOutcome,
+    TransferResult,
+)
+from hicache.client.connection import Connection
 from hicache.client.handles import HiCacheRpcError, ReloadHandle
 from hicache.client.tls import ClientTls
 from hicache.geometry import KVGeometry

@@ -10,14 +10,13 @@ from typing import Any, TypeVar
 
 import grpc
 
+from hicache.api import POOL_SECRET
 from hicache.client.handles import HiCacheRpcError
 from hicache.client.tls import ClientTls
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
-POOL_SECRET = "x-hicache-pool-secret"  # the metadata that proves a call's right to its pool
-ADMIN_TOKEN = "x-hicache-admin-token"  # the metadata for stats of all pools
 
 
 def grpc_target(target: str) -> str:

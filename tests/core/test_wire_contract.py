@@ -1,0 +1,26 @@
+"""proto/README.md states the wire contract for clients in other languages; its key test
+vectors and metadata names are the ones the code uses."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hicache.api import ADMIN_TOKEN, POOL_SECRET
+from hicache.keys import page_keys
+
+CONTRACT = (Path(__file__).resolve().parents[2] / "proto" / "README.md").read_text()
+
+
+def test_the_key_test_vectors_are_what_page_keys_computes() -> None:
+    rows = re.findall(r'^\| `"([^"]*)"` \| `([0-9a-f]{64})` \| `([0-9a-f]{64})` \|$', CONTRACT, re.M)
+    assert len(rows) == 2, rows
+    for namespace, first, second in rows:
+        keys = page_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, namespace)
+        assert [k.hex() for k in keys] == [first, second], namespace
+        assert page_keys([5, 6, 7, 8], 4, namespace, parent=keys[0]) == keys[1:]  # a continuation
+
+
+def test_the_metadata_names_are_the_ones_client_and_server_share() -> None:
+    for name in (POOL_SECRET, ADMIN_TOKEN, "authorization"):
+        assert f"| `{name}` |" in CONTRACT
