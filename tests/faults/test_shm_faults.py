@@ -196,11 +196,18 @@ def _segments() -> set[str]:
     return {n for n in os.listdir(shm_dir()) if n.startswith(SHM_PREFIX)}
 
 
-def _settle(want: set[str], timeout: float = 60.0) -> set[str]:
+def _owned_by(pids: set[int]) -> set[str]:
+    """The segments in /dev/shm whose names say one of `pids` made them."""
+    return {n for n in _segments() if (m := re.match(r"^hicache-\d+-(\d+)-", n)) and int(m.group(1)) in pids}
+
+
+def _settle(pids: set[int], want: set[str], timeout: float = 60.0) -> set[str]:
+    """Wait until the segments of `pids` are `want`; other processes' segments are not looked at
+    (another test run may share this /dev/shm)."""
     deadline = time.monotonic() + timeout
-    while _segments() != want and time.monotonic() < deadline:
+    while _owned_by(pids) != want and time.monotonic() < deadline:
         time.sleep(0.1)
-    return _segments()
+    return _owned_by(pids)
 
 
 def test_kill_9_loops_of_sidecars_and_engines_leave_no_shared_memory_behind(sockdir: str) -> None:
@@ -215,36 +222,41 @@ def test_kill_9_loops_of_sidecars_and_engines_leave_no_shared_memory_behind(sock
         while check_health(address) != "SERVING" and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    from hicache.memory import sweep_dead_segments
-
-    sweep_dead_segments()  # what earlier runs' dead processes left
-    before = _segments()
+    me = {os.getpid()}
     dev = filled_device(2, seed=2)  # this test's own engine segment, alive throughout
+    killed: set[int] = set()
     for _ in range(5):  # the sidecar killed with its host pool mapped
         proc, address = start_sidecar(sockdir, "--lease-timeout", "1")
         with HiCacheClient(address, timeout=20) as client:
             client.register(dev, model_id="m")
+            assert _owned_by({proc.pid}), "the sidecar made its host pool"
             proc.kill()
             proc.wait(timeout=30)
+            assert _owned_by({proc.pid}), "kill -9: nobody unlinked it (the next start-up will)"
+            killed.add(proc.pid)
     proc, address = start_sidecar(sockdir, "--lease-timeout", "1")
     try:
         healthy(address)  # its start-up swept the dead sidecars' host pools
-        assert _settle(before | {dev.handle.name}) == before | {dev.handle.name}
+        assert _settle(killed, set()) == set()
+        assert _owned_by(me) >= {dev.handle.name}  # a live owner's segment stays
         script = Path(sockdir, "engine.py")
         script.write_text(ENGINE.format(root=str(ROOT), tests=str(ROOT / "tests"), address=address))
+        engines: set[int] = set()
         for _ in range(5):  # engines killed with their device pools registered
             engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
             assert engine.stdout is not None and engine.stdout.readline().strip() == "ready"
             engine.kill()
             engine.wait(timeout=30)
+            assert _owned_by({engine.pid}), "its device segment, left behind (the next registration sweeps it)"
+            engines.add(engine.pid)
         with HiCacheClient(address, timeout=20) as client:  # a registration sweeps dead owners
             info = client.register(dev, model_id="m")
-            mine = before | {dev.handle.name, info.host_shm_name}
-            # the engines' device segments went at once, their host pools when their leases ran out
-            assert _settle(mine) == mine
-        assert _settle(before | {dev.handle.name}) == before | {dev.handle.name}
+            assert _settle(engines, set()) == set()
+            # the dead engines' host pools went when their leases ran out: only this one is left
+            assert _settle({proc.pid}, {info.host_shm_name}) == {info.host_shm_name}
+        assert _settle({proc.pid}, set()) == set()
     finally:
         proc.terminate()
         proc.wait(timeout=60)
         dev.close()
-    assert _settle(before, 10) == before
+    assert dev.handle.name not in _segments()
