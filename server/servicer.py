@@ -176,10 +176,10 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         return pb.PinResponse(statuses=convert.statuses_to_pb(statuses))
 
     @_mapped
-    def Unpin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+    def Unpin(self, request: pb.UnpinRequest, context: grpc.ServicerContext) -> pb.UnpinResponse:
         self._own(request.pool_id, context)
         statuses = self.service.unpin(request.request_id, request.pool_id, list(request.keys))
-        return pb.PinResponse(statuses=convert.statuses_to_pb(statuses))
+        return pb.UnpinResponse(statuses=convert.statuses_to_pb(statuses))
 
     @_mapped
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:

@@ -320,7 +320,7 @@ class HiCacheClient:
         return convert.statuses_from_pb(self._call(self._stub.Pin, req, pool=req.pool_id).statuses)
 
     def unpin(self, keys: Sequence[bytes], *, pool: PoolRef = None) -> tuple[KeyStatus, ...]:
-        req = pb.PinRequest(request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys))
+        req = pb.UnpinRequest(request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys))
         return convert.statuses_from_pb(self._call(self._stub.Unpin, req, pool=req.pool_id).statuses)
 
     def stats(self, pool: PoolRef = None, *, all_pools: bool = False) -> list[PoolStats]:

@@ -136,7 +136,7 @@ def test_random_pool_calls_get_a_status_and_leave_the_pool_consistent(sidecar, d
         "Evict": lambda: pb.EvictRequest(request_id=rid, pool_id=pool_id, keys=ks, num_pages=data.draw(U64)),
         "Lookup": lambda: pb.LookupRequest(pool_id=pool_id, keys=ks),
         "Pin": lambda: pb.PinRequest(request_id=rid, pool_id=pool_id, keys=ks),
-        "Unpin": lambda: pb.PinRequest(request_id=rid, pool_id=pool_id, keys=ks),
+        "Unpin": lambda: pb.UnpinRequest(request_id=rid, pool_id=pool_id, keys=ks),
     }
     request = requests[method]()
     expect_mistake_or_ok(lambda: getattr(sc.stub, method)(request, timeout=30))

@@ -289,6 +289,22 @@ class PinResponse(_message.Message):
     statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
     def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ...) -> None: ...
 
+class UnpinRequest(_message.Message):
+    __slots__ = ("request_id", "pool_id", "keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("statuses",)
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ("pool_id",)
     POOL_ID_FIELD_NUMBER: _ClassVar[int]

@@ -81,8 +81,8 @@ class HiCacheStub:
                 _registered_method=True)
         self.Unpin = channel.unary_unary(
                 '/hicache.v1.HiCache/Unpin',
-                request_serializer=hicache_dot_v1_dot_hicache__pb2.PinRequest.SerializeToString,
-                response_deserializer=hicache_dot_v1_dot_hicache__pb2.PinResponse.FromString,
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.UnpinResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/hicache.v1.HiCache/GetStats',
@@ -156,19 +156,22 @@ class HiCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pin(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Keeps host-resident keys from eviction until Unpin (pins count: pin twice, unpin twice).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Unpin(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Drops one pin of each key.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One pool's stats (needs its secret), or every pool's (needs the admin token).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -231,8 +234,8 @@ def add_HiCacheServicer_to_server(servicer, server):
             ),
             'Unpin': grpc.unary_unary_rpc_method_handler(
                     servicer.Unpin,
-                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.PinRequest.FromString,
-                    response_serializer=hicache_dot_v1_dot_hicache__pb2.PinResponse.SerializeToString,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.UnpinRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.UnpinResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -513,8 +516,8 @@ class HiCache:
             request,
             target,
             '/hicache.v1.HiCache/Unpin',
-            hicache_dot_v1_dot_hicache__pb2.PinRequest.SerializeToString,
-            hicache_dot_v1_dot_hicache__pb2.PinResponse.FromString,
+            hicache_dot_v1_dot_hicache__pb2.UnpinRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.UnpinResponse.FromString,
             options,
             channel_credentials,
             insecure,
