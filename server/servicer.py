@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+from google.protobuf import duration_pb2
 
 from hicache.api import ADMIN_TOKEN, POOL_SECRET
 from hicache.rpc import convert
@@ -113,7 +114,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             geometry_fingerprint=info.geometry_fingerprint,
             key_hash=info.key_hash,
             key_bytes=info.key_bytes,
-            lease_timeout_s=info.lease_timeout_s,
+            lease_timeout=_duration(info.lease_timeout_s),
             pool_secret=info.pool_secret,
         )
 
@@ -128,7 +129,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     @_mapped
     def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveResponse:
         self._own(request.pool_id, context)
-        return pb.KeepAliveResponse(lease_timeout_s=self.service.keep_alive(request.pool_id))
+        return pb.KeepAliveResponse(lease_timeout=_duration(self.service.keep_alive(request.pool_id)))
 
     @_mapped
     def Offload(self, request: pb.OffloadRequest, context: grpc.ServicerContext) -> pb.OffloadResponse:
@@ -207,3 +208,9 @@ def _metadata(context: grpc.ServicerContext, name: str) -> str:
         if key == name:
             return value if isinstance(value, str) else value.decode()
     return ""
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(round(seconds * 1e9))
+    return d

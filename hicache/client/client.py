@@ -217,7 +217,7 @@ class HiCacheClient:
             r.host_shm_name,
             r.host_layout,
             r.geometry_fingerprint,
-            r.lease_timeout_s,
+            r.lease_timeout.ToNanoseconds() / 1e9,
             r.pool_secret,
         )
         self._pools[info.pool_id] = info

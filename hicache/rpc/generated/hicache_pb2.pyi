@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -120,7 +123,7 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., group: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., device_memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., key_hash: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., device_layout: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout_s", "pool_secret")
+    __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout", "pool_secret")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     HOST_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -129,7 +132,7 @@ class RegisterPoolResponse(_message.Message):
     GEOMETRY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KEY_HASH_FIELD_NUMBER: _ClassVar[int]
     KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
-    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     POOL_SECRET_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     host_pages: int
@@ -139,9 +142,9 @@ class RegisterPoolResponse(_message.Message):
     geometry_fingerprint: str
     key_hash: str
     key_bytes: int
-    lease_timeout_s: float
+    lease_timeout: _duration_pb2.Duration
     pool_secret: str
-    def __init__(self, pool_id: _Optional[str] = ..., host_pages: _Optional[int] = ..., host_shm_name: _Optional[str] = ..., host_layout: _Optional[str] = ..., host_nbytes: _Optional[int] = ..., geometry_fingerprint: _Optional[str] = ..., key_hash: _Optional[str] = ..., key_bytes: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., pool_secret: _Optional[str] = ...) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., host_pages: _Optional[int] = ..., host_shm_name: _Optional[str] = ..., host_layout: _Optional[str] = ..., host_nbytes: _Optional[int] = ..., geometry_fingerprint: _Optional[str] = ..., key_hash: _Optional[str] = ..., key_bytes: _Optional[int] = ..., lease_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., pool_secret: _Optional[str] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("request_id", "pool_id")
@@ -162,10 +165,10 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("lease_timeout_s",)
-    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    lease_timeout_s: float
-    def __init__(self, lease_timeout_s: _Optional[float] = ...) -> None: ...
+    __slots__ = ("lease_timeout",)
+    LEASE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    lease_timeout: _duration_pb2.Duration
+    def __init__(self, lease_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class OffloadRequest(_message.Message):
     __slots__ = ("request_id", "pool_id", "keys", "device_pages")
