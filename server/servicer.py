@@ -72,10 +72,17 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         self.service = service
         self.admin_token = admin_token
 
-    def _own(self, pool_id: str, context: grpc.ServicerContext) -> None:
-        """Raises Forbidden unless the call carries pool_id's secret (UnknownId for no such pool)."""
+    def _own(self, pool_id: str, context: grpc.ServicerContext, *, gone_ok: bool = False) -> None:
+        """Raises Forbidden unless the call carries pool_id's secret (UnknownId for no such pool,
+        unless gone_ok: the service then answers, e.g. a retried UnregisterPool from its cache)."""
         given = _metadata(context, POOL_SECRET)
-        if not self.service.owns(pool_id, given):
+        try:
+            mine = self.service.owns(pool_id, given)
+        except UnknownId:
+            if gone_ok:
+                return
+            raise
+        if not mine:
             raise Forbidden(f"pool {pool_id!r}: {'wrong' if given else 'missing'} pool secret ({POOL_SECRET})")
 
     def _admin(self, context: grpc.ServicerContext) -> None:
@@ -122,7 +129,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def UnregisterPool(
         self, request: pb.UnregisterPoolRequest, context: grpc.ServicerContext
     ) -> pb.UnregisterPoolResponse:
-        self._own(request.pool_id, context)
+        self._own(request.pool_id, context, gone_ok=True)
         self.service.unregister(request.request_id, request.pool_id)
         return pb.UnregisterPoolResponse()
 

@@ -129,3 +129,20 @@ def test_pool_takes_what_register_returned_or_its_id(served: tuple[Any, str]) ->
         assert client.stats(pool=a)[0].namespace == "a" and client.stats(pool=b.pool_id)[0].namespace == "b"
     dev_a.close()
     dev_b.close()
+
+
+def test_a_retried_unregister_is_still_answered_once_the_pool_is_gone(served: tuple[Any, str]) -> None:
+    _, address = served
+    dev = filled_device(4)
+    stub = pb_grpc.HiCacheStub(grpc.insecure_channel(address))
+    with HiCacheClient(address, timeout=20) as client:
+        pool = client.register(dev)
+        request = pb.UnregisterPoolRequest(request_id="u-1", pool_id=pool.pool_id)
+        mine = (("x-hicache-pool-secret", pool.secret),)
+        stub.UnregisterPool(request, metadata=mine)
+        stub.UnregisterPool(request, metadata=mine)  # the answer was lost: the same id again
+        with pytest.raises(grpc.RpcError) as exc:  # a new request for the gone pool
+            stub.UnregisterPool(pb.UnregisterPoolRequest(request_id="u-2", pool_id=pool.pool_id), metadata=mine)
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+        client._pools.clear()  # it is gone already: nothing for close() to unregister
+    dev.close()
