@@ -29,11 +29,17 @@ DEFAULT_FILE_MAX = 64 << 30
 def default_file_cap(directory: str | os.PathLike[str]) -> int:
     """The file tier's size cap when the extra config sets no max_bytes: 10% of the bytes
     free on the folder's disk now, at most 64 GiB (at least one byte)."""
+    free = shutil.disk_usage(_existing_ancestor(directory)).free
+    return max(1, min(DEFAULT_FILE_MAX, int(free * DEFAULT_FILE_SHARE)))
+
+
+def _existing_ancestor(directory: str | os.PathLike[str]) -> Path:
+    """The folder, or its nearest existing parent: a tier folder may not exist yet, and its
+    disk and permissions are those of where it will be created."""
     probe = Path(directory).resolve()
     while not probe.exists() and probe != probe.parent:
-        probe = probe.parent  # the folder may not exist yet: measure the disk it will be on
-    free = shutil.disk_usage(probe).free
-    return max(1, min(DEFAULT_FILE_MAX, int(free * DEFAULT_FILE_SHARE)))
+        probe = probe.parent
+    return probe
 
 
 def default_file_dir() -> Path:
@@ -123,9 +129,7 @@ def backend_reachable(backend: str, extra: Mapping[str, Any]) -> tuple[bool, str
         except Exception as exc:
             return False, f"storage backend 'redis' at {extra.get('url')} is unreachable: {type(exc).__name__}: {exc}"
     elif backend == "file":
-        probe = Path(extra.get("dir") or default_file_dir()).resolve()
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
+        probe = _existing_ancestor(extra.get("dir") or default_file_dir())
         if not os.access(probe, os.W_OK):
             return False, f"storage backend 'file': {probe} is not writable"
     return True, ""

@@ -179,14 +179,15 @@ class RedisTier(StorageTier):
                 return list(pipe.execute(raise_on_error=False))
 
             blobs, _ = self._call(run, [None] * len(chunk))
-            wrong = [q for q, r in zip(chunk, blobs, strict=True) if _wrong_type(r)]
+            wrong = []
+            for key, q, blob in zip(keys[start : start + len(chunk)], chunk, blobs, strict=True):
+                if _wrong_type(blob):
+                    wrong.append(q)
+                    out.append(None)
+                else:
+                    out.append(self._decode(key, None if isinstance(blob, Exception) else blob))
             self._drop_corrupt(wrong)
             self._count(misses=len(wrong))
-            for key, blob in zip(keys[start : start + len(chunk)], blobs, strict=True):
-                if not _wrong_type(blob):
-                    out.append(self._decode(key, None if isinstance(blob, Exception) else blob))
-                else:
-                    out.append(None)
         return out
 
     def _decode(self, key: bytes, blob: bytes | None) -> memoryview | None:

@@ -57,7 +57,7 @@ def group_memory(views: Sequence[torch.Tensor], group: int, packed_layer_bytes: 
     if layer_stride < 0:
         raise ValueError(f"vLLM group {group}: layers lie in descending addresses")
     if first.is_cuda:
-        return _cuda_memory(views, group, block_layout_name(0, layer_stride, block_stride))
+        return _cuda_memory(views, group, layer_stride, block_stride)
     head = shared_file_of(addrs[0])
     try:
         last = shared_file_of(addrs[-1])
@@ -73,7 +73,7 @@ def group_memory(views: Sequence[torch.Tensor], group: int, packed_layer_bytes: 
         raise
 
 
-def _cuda_memory(views: Sequence[torch.Tensor], group: int, strides_at_zero: str) -> GroupMemory:
+def _cuda_memory(views: Sequence[torch.Tensor], group: int, layer_stride: int, block_stride: int) -> GroupMemory:
     """vLLM's CUDA allocation of the views, exported by CUDA IPC (torch's own export: the
     caching allocator's segment handle and the storage's offset in it). Written for GPU
     hosts; not run on CI, which has no GPU."""
@@ -81,8 +81,7 @@ def _cuda_memory(views: Sequence[torch.Tensor], group: int, strides_at_zero: str
     if any(v.untyped_storage().data_ptr() != storage.data_ptr() for v in views):
         raise ValueError(f"vLLM group {group}: its layers are not in one CUDA allocation")
     _device, ipc_handle, size, segment_offset, *_ = storage._share_cuda_()
-    _, _, layer_stride, block_stride = strides_at_zero.split(":")
     offset = views[0].data_ptr() - storage.data_ptr()
     handle = MemoryHandle("cuda_ipc", int(size), ipc_handle=bytes(ipc_handle), offset=int(segment_offset))
-    layout = block_layout_name(offset, int(layer_stride), int(block_stride))
+    layout = block_layout_name(offset, layer_stride, block_stride)
     return GroupMemory(-1, int(size), views[0].shape[0], layout, handle, views[0].device.index or 0)

@@ -107,8 +107,7 @@ def _live_geometry(layer_names: tuple[str, ...]) -> KVGeometry | None:
     layers = get_layers_from_vllm_config(current, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
     if len(layers) != len(layer_names):
         return None
-    specs = {type(s).__name__ + repr(s) for s in (layers[n].get_kv_cache_spec(current) for n in layer_names)}
-    if len(specs) != 1:
-        raise ValueError(f"the layers of one vLLM KV-cache group have different KV specs: {sorted(specs)}")
-    spec = layers[layer_names[0]].get_kv_cache_spec(current)
-    return geometry_from_spec(spec, len(layer_names), layer_ids_of(layer_names))
+    specs = [layers[n].get_kv_cache_spec(current) for n in layer_names]
+    if len({repr(s) for s in specs}) != 1:  # a dataclass repr names the class and every field
+        raise ValueError(f"the layers of one vLLM KV-cache group have different KV specs: {sorted(map(repr, specs))}")
+    return geometry_from_spec(specs[0], len(layer_names), layer_ids_of(layer_names))
