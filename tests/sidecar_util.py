@@ -131,3 +131,16 @@ class SecretStub:
             return method(request, metadata=(*extra, ("x-hicache-pool-secret", self.secret)), **kw)
 
         return call
+
+
+def wait_stored(client: object, pages: int, tries: int = 2000) -> None:
+    """Wait (tries x 10 ms) until the default pool's storage write queue is empty and its
+    storage tier holds at least `pages` pages. Raises AssertionError."""
+    import time
+
+    for _ in range(tries):
+        st = client.stats()[0]  # type: ignore[attr-defined]
+        if st.storage_write_queue == 0 and st.tiers[1].pages >= pages:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"storage writes did not finish: {client.stats()[0]}")  # type: ignore[attr-defined]

@@ -22,7 +22,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from sidecar_util import all_zero, filled_device, keys_for, mimo_geometries, shm_exists, start_sidecar, zero_pages
+from sidecar_util import (
+    all_zero,
+    filled_device,
+    keys_for,
+    mimo_geometries,
+    shm_exists,
+    start_sidecar,
+    wait_stored,
+    zero_pages,
+)
 
 from hicache.api import KeyStatus, Tier
 from hicache.client import HiCacheClient, HiCacheRpcError
@@ -116,15 +125,6 @@ def test_engine_killed_mid_reload_pages_and_lease_are_reclaimed(sockdir):
         survivor.close()
 
 
-def _wait_stored(client: HiCacheClient, pages: int) -> None:
-    for _ in range(2000):
-        st = client.stats()[0]
-        if st.storage_write_queue == 0 and st.tiers[1].pages >= pages:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"storage writes did not finish: {client.stats()[0]}")
-
-
 def test_sidecar_killed_mid_offload_fails_fast_then_serves_only_durable_pages(sockdir):
     policy = ("--hicache-write-policy", "write_through_selective")  # stored on a page's second use
     proc, address = start_sidecar(sockdir, *policy)
@@ -136,7 +136,7 @@ def test_sidecar_killed_mid_offload_fails_fast_then_serves_only_durable_pages(so
         durable, host_only = keys_for(8, seed=1), keys_for(8, seed=2)
         assert client.offload(durable, range(8)).statuses == (S.STORED,) * 8
         assert client.offload(durable, range(8)).statuses == (S.DEDUPLICATED,) * 8  # second use: stored
-        _wait_stored(client, 8)
+        wait_stored(client, 8)
         assert client.offload(host_only, range(8, 16)).statuses == (S.STORED,) * 8  # used once: host only
         assert client.lookup(host_only).tiers == (Tier.HOST,) * 8
         in_flight: dict[bytes, int] = {}  # keys an offload may have reached the sidecar with

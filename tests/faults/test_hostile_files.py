@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sidecar_util import filled_device, keys_for, start_sidecar
+from sidecar_util import filled_device, keys_for, start_sidecar, wait_stored
 from tier_helpers import GEOMETRIES, identity, key, payload
 
 from hicache.api import KeyStatus as S
@@ -72,15 +72,6 @@ def sockdir() -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _wait_stored(client: HiCacheClient, pages: int) -> None:
-    for _ in range(3000):
-        st = client.stats()[0]
-        if st.storage_write_queue == 0 and st.tiers[1].pages >= pages:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"storage writes did not finish: {client.stats()[0]}")
-
-
 @pytest.mark.parametrize("how", ["sparse_1tib", "fifo"])
 def test_reload_serves_the_prefix_before_a_hostile_file_and_sigterm_still_stops(sockdir: str, how: str) -> None:
     proc, address = start_sidecar(sockdir)
@@ -91,7 +82,7 @@ def test_reload_serves_the_prefix_before_a_hostile_file_and_sigterm_still_stops(
         keys = keys_for(4, seed=7)
         want = [dev.read_page(p).clone() for p in range(4)]
         assert client.offload(keys, range(4)).statuses == (S.STORED,) * 4
-        _wait_stored(client, 4)
+        wait_stored(client, 4, tries=3000)
         client.evict(keys[2:])  # pages 2 and 3 now live in the file tier only
         assert client.lookup(keys).tiers == (Tier.HOST, Tier.HOST, Tier.STORAGE, Tier.STORAGE)
         (page_file,) = Path(sockdir, "tier").rglob(keys[2].hex() + ".page")
