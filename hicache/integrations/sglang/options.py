@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.paths import default_socket_path
+from hicache.integrations.options import adapter_options
 
 # Keys SGLang itself reads from the same JSON (loader, controller, allocator); passed over.
 SGLANG_KEYS = frozenset(
@@ -59,22 +57,10 @@ class Options:
                 f"unknown hicache key(s) {unknown} in --hicache-storage-backend-extra-config; "
                 f"hicache accepts {sorted(fields)} (besides SGLang's own {sorted(SGLANG_KEYS)})"
             )
-        mine = {k: v for k, v in extra.items() if k in fields}
-        mine.setdefault("target", os.environ.get("HICACHE_SOCKET") or default_socket_path())
-        mine.setdefault("token", os.environ.get("HICACHE_TOKEN"))
-        for key in ("target", "namespace"):
-            if not isinstance(mine.get(key, ""), str) or (key == "target" and not mine[key]):
-                raise ValueError(f"extra config {key!r} must be a non-empty string, got {mine.get(key)!r}")
-        for key in ("token", "model_id", "model_config"):
-            if mine.get(key) is not None and not isinstance(mine[key], str):
-                raise ValueError(f"extra config {key!r} must be a string, got {mine[key]!r}")
+        mine = adapter_options(extra, fields, "extra config")
         pages = mine.get("staging_pages", 128)
         if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
             raise ValueError(f"extra config 'staging_pages' must be an int >= 1, got {pages!r}")
-        for key in ("timeout_s",):
-            value = mine.get(key, 1.0)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"extra config {key!r} must be a number > 0, got {value!r}")
         if mine.get("copy", "auto") not in ("auto", "direct", "staging"):
             raise ValueError(f"extra config 'copy' must be 'auto', 'direct' or 'staging', got {mine['copy']!r}")
         return cls(**mine)

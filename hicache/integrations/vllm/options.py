@@ -6,14 +6,13 @@ type for one of hicache's keys is an error."""
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.paths import default_socket_path
+from hicache.integrations.options import adapter_options
 
 
 @dataclass(frozen=True)
@@ -44,20 +43,13 @@ class Options:
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> Options:
         """Raises ValueError naming the key and its bad value."""
-        fields = set(cls.__dataclass_fields__)
-        mine = {k: v for k, v in dict(extra or {}).items() if k in fields}
-        mine.setdefault("target", os.environ.get("HICACHE_SOCKET") or default_socket_path())
-        mine.setdefault("token", os.environ.get("HICACHE_TOKEN"))
-        for key in ("target", "namespace"):
-            if not isinstance(mine.get(key, ""), str) or (key == "target" and not mine[key]):
-                raise ValueError(f"kv_connector_extra_config {key!r} must be a non-empty string, got {mine.get(key)!r}")
-        for key in ("token", "model_id", "model_config", "rendezvous_dir"):
-            if mine.get(key) is not None and not isinstance(mine[key], str):
-                raise ValueError(f"kv_connector_extra_config {key!r} must be a string, got {mine[key]!r}")
-        for key in ("timeout_s", "lookup_ttl_s", "retry_s"):
-            value = mine.get(key, 1.0)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"kv_connector_extra_config {key!r} must be a number > 0, got {value!r}")
+        mine = adapter_options(
+            dict(extra or {}),
+            cls.__dataclass_fields__,
+            "kv_connector_extra_config",
+            strings=("token", "model_id", "model_config", "rendezvous_dir"),
+            seconds=("timeout_s", "lookup_ttl_s", "retry_s"),
+        )
         return cls(**mine)
 
     @property
