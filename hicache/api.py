@@ -108,6 +108,7 @@ class PoolStats:
     storage_healthy: bool = True
     storage_write_queue: int = 0
     copy_backend: str = ""  # TransferEngine.backend: native | torch | triton
+    storage_nodes_down: tuple[str, ...] = ()  # Redis servers / cluster nodes down now (host:port)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from hicache.memory import cuda_available
 from hicache.paths import default_socket_path
 from hicache.pools.layouts import LAYOUTS
 from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
+from hicache.storage.factory import check_backend_kind
 
 from .envflags import document, env_argv
 from .logs import LOG_FORMATS
@@ -178,9 +179,11 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         expected = expected_geometries(
             args.model_config, tp_size=args.tp_size, page_size=args.page_size, dtype=args.kv_cache_dtype
         )
+    hierarchy = HiCacheConfig.from_args(args).with_file_cap()
+    check_backend_kind(hierarchy.storage_backend, hierarchy.storage_extra)
     service = ServiceConfig(
         expected=expected,
-        hierarchy=HiCacheConfig.from_args(args).with_file_cap(),
+        hierarchy=hierarchy,
         host_layout=args.hicache_mem_layout,
         io_backend=args.hicache_io_backend,
         lease_timeout_s=args.lease_timeout,

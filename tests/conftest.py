@@ -1,9 +1,12 @@
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hicache.demo.redis_cluster import LocalRedisCluster
 from hicache.transfer import native
 
 CONFIG_DIR = Path(__file__).parent / "fixtures" / "model_configs"
@@ -21,3 +24,13 @@ def load_config(name: str) -> dict[str, Any]:
 @pytest.fixture
 def mimo_config() -> dict[str, Any]:
     return load_config("mimo_v2_flash")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """A 3-master, 3-replica Redis Cluster on loopback ports, shared by the session's tests
+    that only read and write (tests that kill or reshard start their own)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does this)")
+    with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster

@@ -100,6 +100,13 @@ class RedisServer:
         if self.unix and self.sock.exists():
             os.unlink(self.sock)
 
+    @staticmethod
+    def flush(url: str) -> None:
+        import redis
+
+        with redis.Redis.from_url(url) as client:
+            client.flushall()
+
     def client(self):  # type: ignore[no-untyped-def]
         import redis
 

@@ -34,6 +34,8 @@ def format_table(pools: list[PoolStats]) -> str:  # f-strings, not rich: the ser
             + (f" (cap {t.capacity_bytes / 1e9:.2f} GB)" if t.capacity_bytes else "")
             for t in s.tiers
         )
+        if s.storage_nodes_down:
+            tiers += f"  storage nodes down: {', '.join(s.storage_nodes_down)}"
         lines.append(
             f"{s.pool_id:22} {s.group:5} {s.namespace[:14]:14} {f'{s.used_pages}/{s.host_pages}':>11} "
             f"{s.pinned_pages:>6} {s.offload_bytes / 1e9:>10.3f} {s.offload_gbps:>6.2f} "

@@ -132,6 +132,7 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
         storage_healthy=s.storage_healthy,
         storage_write_queue=s.storage_write_queue,
         copy_backend=s.copy_backend,
+        storage_nodes_down=list(s.storage_nodes_down),
     )
 
 
@@ -159,4 +160,5 @@ def stats_from_pb(m: pb.PoolStats) -> PoolStats:
         m.storage_healthy,
         m.storage_write_queue,
         m.copy_backend,
+        tuple(m.storage_nodes_down),
     )

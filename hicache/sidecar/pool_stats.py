@@ -77,4 +77,5 @@ def pool_stats(
         bool(cs["storage_healthy"]),
         cs["write_queue_depth"],
         copy_backend,
+        tuple(st.get("nodes_down") or ()),
     )

@@ -16,7 +16,7 @@ import hashlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hicache.geometry import KVGeometry
@@ -88,6 +88,7 @@ class TierStats:
     deletes: int = 0
     errors: int = 0  # backend errors (I/O, connection, timeout)
     last_error: str = ""
+    nodes_down: list[str] = field(default_factory=list)  # servers (cluster nodes) down now
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -169,7 +170,7 @@ class StorageTier(ABC):
     def stats(self) -> TierStats:
         """A snapshot of the counters (a copy)."""
         with self._stats_lock:
-            snap = TierStats(**{f.name: getattr(self._counters, f.name) for f in fields(TierStats)})
+            snap = replace(self._counters, nodes_down=[])
         snap.healthy = self.health().healthy
         self._fill_stats(snap)
         return snap

@@ -13,13 +13,25 @@ from typing import Any
 
 from hicache.storage.base import StorageTier, TierIdentity
 
-BACKENDS = ("file", "redis", "none")
+BACKENDS = ("file", "redis", "redis-cluster", "none")
+_REDIS_OPTIONS = ("url", "timeout_s", "ttl_s", "backoff_initial_s", "backoff_max_s")
 # extra-config keys each backend accepts
 BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {
     "file": ("dir", "max_bytes", "fsync"),
-    "redis": ("url", "timeout_s", "ttl_s", "backoff_initial_s", "backoff_max_s"),
+    "redis": (*_REDIS_OPTIONS, "cluster"),
+    "redis-cluster": _REDIS_OPTIONS,  # = "redis" with "cluster": true
     "none": (),
 }
+
+
+def resolved(backend: str, extra: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The backend and options a name stands for: "redis-cluster" is "redis" with
+    {"cluster": true}; a redis config says whether it is a cluster."""
+    if backend == "redis-cluster":
+        return "redis", {**extra, "cluster": True}
+    if backend == "redis":
+        return "redis", {"cluster": False, **extra}
+    return backend, dict(extra)
 
 
 DEFAULT_FILE_SHARE = 0.10  # of the disk's free bytes at start-up
@@ -59,8 +71,10 @@ def check_extra(backend: str, extra: Mapping[str, Any], also: tuple[str, ...] = 
             f"unknown extra-config key(s) {unknown} for storage backend {backend!r}; "
             f"accepted: {[*BACKEND_OPTIONS[backend], *also]}"
         )
-    if backend == "redis" and not extra.get("url"):
-        raise ValueError('storage backend "redis" needs "url" in its extra config (redis://... or unix://...)')
+    if backend.startswith("redis") and not extra.get("url"):
+        forms = "redis://host:port, or a list of them" if backend == "redis-cluster" else "redis://... or unix://..."
+        raise ValueError(f'storage backend "{backend}" needs "url" in its extra config ({forms})')
+    backend, extra = resolved(backend, extra)
     if backend == "file":
         from hicache.storage import file
 
@@ -87,10 +101,12 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
     folder and identity that is already open in this process is shared, not opened twice.
 
     extra for file: {"dir": PATH, "max_bytes": N, "fsync": bool}; for redis: {"url": ...,
-    "timeout_s": ..., "ttl_s": ..., "backoff_initial_s": ..., "backoff_max_s": ...}.
+    "cluster": bool, "timeout_s": ..., "ttl_s": ..., "backoff_initial_s": ...,
+    "backoff_max_s": ...} (redis-cluster: the same without "cluster").
     Raises ValueError naming a bad backend, key or value.
     """
     check_extra(backend, extra)
+    backend, extra = resolved(backend, extra)
     if backend == "file":
         from hicache.storage.file import FileTier
 
@@ -114,22 +130,69 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
 
 def backend_reachable(backend: str, extra: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether the configured backend can serve before any pool has a tier of it (the
-    health service at start-up): (True, "") or (False, why). Redis: a PING within its
-    timeout_s; file: the folder (or its nearest existing parent) is writable. Never raises."""
+    health service at start-up): (True, "") or (False, why). Redis: a node answers within
+    its timeout_s and is (or is not, without "cluster") a cluster node; file: the folder (or
+    its nearest existing parent) is writable. Never raises."""
+    backend, extra = resolved(backend, extra)
     if backend == "redis":
-        try:
-            import redis
-
-            timeout = float(extra.get("timeout_s", 1.0))
-            client = redis.Redis.from_url(extra["url"], socket_timeout=timeout, socket_connect_timeout=timeout)
-            try:
-                client.ping()
-            finally:
-                client.close()
-        except Exception as exc:
-            return False, f"storage backend 'redis' at {extra.get('url')} is unreachable: {type(exc).__name__}: {exc}"
-    elif backend == "file":
+        answered, why = redis_kind(extra)
+        if answered is None:
+            return False, why
+        mismatch = kind_mismatch(extra, answered)
+        return (False, mismatch) if mismatch else (True, "")
+    if backend == "file":
         probe = _existing_ancestor(extra.get("dir") or default_file_dir())
         if not os.access(probe, os.W_OK):
             return False, f"storage backend 'file': {probe} is not writable"
     return True, ""
+
+
+def redis_kind(extra: Mapping[str, Any]) -> tuple[bool | None, str]:
+    """(whether the first Redis that answers is a cluster node, "") or (None, why none
+    answered), for a resolved redis extra config. Never raises."""
+    from hicache.storage.redis_cluster_link import split_urls
+
+    try:
+        import redis
+
+        urls = split_urls(extra["url"]) if extra.get("cluster") else [extra["url"]]
+        timeout = float(extra.get("timeout_s", 1.0))
+    except (ImportError, ValueError, TypeError) as exc:
+        return None, f"storage backend 'redis': {exc}"
+    why = ""
+    for url in urls:
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            return bool(client.info("cluster").get("cluster_enabled")), ""
+        except Exception as exc:  # noqa: BLE001 - any failure is "unreachable"
+            why = f"storage backend 'redis' at {url} is unreachable: {type(exc).__name__}: {exc}"
+        finally:
+            client.close()
+    return None, why
+
+
+def kind_mismatch(extra: Mapping[str, Any], is_cluster: bool) -> str:
+    """What is wrong when the config and the server disagree about being a cluster, or ""."""
+    url = extra["url"]
+    if extra.get("cluster") and not is_cluster:
+        return (
+            f"storage backend 'redis-cluster' (cluster: true) but {url} is not a cluster node "
+            "(cluster_enabled:0): use --hicache-storage-backend redis, or point url at a cluster"
+        )
+    if not extra.get("cluster") and is_cluster:
+        return (
+            f"storage backend 'redis' but {url} is a Redis Cluster node (cluster_enabled:1): "
+            'use --hicache-storage-backend redis-cluster, or add "cluster": true to the extra config'
+        )
+    return ""
+
+
+def check_backend_kind(backend: str, extra: Mapping[str, Any]) -> None:
+    """At start-up: raise ValueError when a reachable Redis is a cluster and the config does
+    not say so, or the reverse. An unreachable one passes (the health service reports it)."""
+    backend, extra = resolved(backend, extra)
+    if backend == "redis":
+        answered, _ = redis_kind(extra)
+        mismatch = "" if answered is None else kind_mismatch(extra, answered)
+        if mismatch:
+            raise ValueError(mismatch)

@@ -1,9 +1,11 @@
-"""The Redis (or Valkey) tier: pages shared by every sidecar that points at one server.
+"""The Redis (or Valkey) tier: pages shared by every sidecar that points at one server, or
+at one Redis Cluster (cluster=True; see redis_cluster_link).
 
 Keys are b"hicache:<identity qualifier>:" + page key, values are pages in page_format.
-Batches go through non-transactional pipelines. When the server is down or slow, every
-operation returns a miss or a failure, the tier reports unhealthy, and it retries only
-after an exponential backoff (backoff_initial_s doubling to backoff_max_s): in between,
+Batches go through non-transactional pipelines (one per cluster master, in parallel).
+When a server (a cluster node) is down or slow, each operation on it
+returns a miss or a failure, the tier reports unhealthy, and it retries only after an
+exponential backoff (backoff_initial_s doubling to backoff_max_s): in between,
 calls return at once without touching the network, so a dead Redis costs the caller
 nothing. The first successful call (or a health() probe after the backoff) makes the tier
 healthy again. With ttl_s, pages expire ttl_s after their last write or read; a size cap
@@ -13,23 +15,32 @@ is Redis's own `maxmemory` with an LRU `maxmemory-policy`.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from hicache.storage import page_format as fmt
-from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity
-
-T = TypeVar("T")
+from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity, TierStats
+from hicache.storage.redis_link import Backoff, Command, Link, ServerLink, down_errors
 
 
 def check_options(
-    url: object, timeout_s: object, ttl_s: object, backoff_initial_s: object, backoff_max_s: object
+    url: object,
+    timeout_s: object,
+    ttl_s: object,
+    backoff_initial_s: object,
+    backoff_max_s: object,
+    cluster: object = False,
 ) -> None:
     """Raise ValueError naming the first bad RedisTier option (also used to check a
     sidecar's extra config at start-up, before any pool registers)."""
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+    if not isinstance(cluster, bool):
+        raise ValueError(f"redis cluster must be true or false, got {cluster!r}")
+    if cluster:
+        from hicache.storage.redis_cluster_link import split_urls
+
+        split_urls(url)  # type: ignore[arg-type]
+    elif not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {url!r}")
     named = {"timeout_s": timeout_s, "backoff_initial_s": backoff_initial_s, "backoff_max_s": backoff_max_s}
     if ttl_s is not None:
@@ -43,7 +54,9 @@ def check_options(
 
 class RedisTier(StorageTier):
     """Pages of `identity` in the Redis server at `url` ("redis://host:port/db" or
-    "unix:///path/to.sock"). Needs the `redis` package (ImportError otherwise).
+    "unix:///path/to.sock"), or with cluster=True in the Redis Cluster that the startup
+    node(s) in `url` (a URL, a comma-separated string or a list) belong to. Needs the
+    `redis` package (ImportError otherwise).
 
     Raises ValueError for a bad url, timeout_s, ttl_s or backoff. Does not connect in the
     constructor: an unreachable server makes the tier unhealthy, not the constructor fail.
@@ -54,8 +67,9 @@ class RedisTier(StorageTier):
     def __init__(
         self,
         identity: TierIdentity,
-        url: str,
+        url: str | Sequence[str],
         *,
+        cluster: bool = False,
         timeout_s: float = 1.0,
         ttl_s: float | None = None,
         backoff_initial_s: float = 0.1,
@@ -64,69 +78,42 @@ class RedisTier(StorageTier):
         clock: Callable[[], float] = time.monotonic,
     ):
         super().__init__(identity)
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        check_options(url, timeout_s, ttl_s, backoff_initial_s, backoff_max_s)
-        self.url = url
+        check_options(url, timeout_s, ttl_s, backoff_initial_s, backoff_max_s, cluster)
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
-        # the server is unreachable or too slow: back off; other errors (an error reply such
-        # as OOM under maxmemory) fail the call but say nothing about the server's health
-        self._down: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
-        self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
-        self._client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
-        )
+
+        def backoff() -> Backoff:
+            return Backoff(backoff_initial_s, backoff_max_s, clock)
+
+        self._link: Link
+        if cluster:
+            from hicache.storage.redis_cluster_link import ClusterLink
+
+            self._link = ClusterLink(url, timeout_s, backoff, self._error, clock)
+        else:
+            assert isinstance(url, str)
+            self._link = ServerLink(url, timeout_s, backoff(), self._error)
+        self.url = self._link.url
+        self._down = down_errors()
         self.prefix = f"hicache:{identity.qualifier}:".encode()
         self._per_batch = max(1, max_batch_bytes // fmt.stored_size(identity, b"k" * 32))
-        self._backoff_initial, self._backoff_max, self._clock = backoff_initial_s, backoff_max_s, clock
-        self._state_lock = threading.Lock()  # guards the health state below
-        self._healthy = True
-        self._backoff = 0.0
-        self._retry_at = 0.0
 
     def qualified(self, key: bytes) -> bytes:
         """The Redis key of page key `key`."""
         fmt.check_key(key)
         return self.prefix + key
 
-    # ---- health and backoff -------------------------------------------------------------------
-    def _call(self, fn: Callable[[], T], default: T) -> tuple[T, bool]:
-        """Run fn against the server unless in backoff; (result, True) or (default, False)."""
-        with self._state_lock:
-            if not self._healthy and self._clock() < self._retry_at:
-                return default, False
-        try:
-            result = fn()
-        except self._errors as e:
-            if not isinstance(e, self._down):
-                self._error(f"redis {self.url}: {type(e).__name__}: {e}")
-                return default, False
-            with self._state_lock:
-                self._healthy = False
-                self._backoff = min(self._backoff_max, max(self._backoff_initial, self._backoff * 2))
-                self._retry_at = self._clock() + self._backoff
-            self._error(f"redis {self.url}: {type(e).__name__}: {e}")
-            return default, False
-        with self._state_lock:
-            self._healthy, self._backoff = True, 0.0
-        return result, True
-
     def health(self) -> TierHealth:
-        with self._state_lock:
-            healthy, due = self._healthy, self._clock() >= self._retry_at
-        if not healthy and due:
-            self._call(self._client.ping, None)
-        with self._state_lock:
-            if self._healthy:
-                return TierHealth(True)
-            return TierHealth(
-                False, f"redis {self.url} unreachable; retry in {max(0.0, self._retry_at - self._clock()):.2f}s"
-            )
+        return self._link.health()
+
+    def nodes_down(self) -> list[str]:
+        """The servers (cluster nodes) that are down now, host:port."""
+        return self._link.nodes_down()
+
+    def _fill_stats(self, snap: TierStats) -> None:
+        snap.nodes_down = self.nodes_down()
 
     def close(self) -> None:
-        self._client.close()
+        self._link.close()
 
     # ---- reads --------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
@@ -134,16 +121,8 @@ class RedisTier(StorageTier):
 
     def batch_contains(self, keys: Sequence[bytes]) -> list[bool]:
         qkeys = [self.qualified(k) for k in keys]
-        if not qkeys:
-            return []
-
-        def run() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for q in qkeys:
-                pipe.strlen(q)  # 0 when absent; WRONGTYPE for a value that is not a string
-            return list(pipe.execute(raise_on_error=False))
-
-        replies, _ = self._call(run, [0] * len(keys))
+        # STRLEN: 0 when absent; WRONGTYPE for a value that is not a string
+        replies = self._link.run([("STRLEN", q) for q in qkeys])
         out, bad = [], []
         for key, q, n in zip(keys, qkeys, replies, strict=True):
             wrong = _wrong_type(n) or (isinstance(n, int) and n not in (0, fmt.stored_size(self.identity, key)))
@@ -157,7 +136,7 @@ class RedisTier(StorageTier):
         """Values under our page keys that are not pages (another type, another size): deleted,
         counted corrupt."""
         if qkeys:
-            self._call(lambda: self._client.delete(*qkeys), 0)
+            self._link.run([("DEL", q) for q in qkeys])
             self._count(corrupt=len(qkeys))
 
     def get(self, key: bytes) -> memoryview | None:
@@ -165,20 +144,13 @@ class RedisTier(StorageTier):
 
     def batch_get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
         qkeys = [self.qualified(k) for k in keys]
+        read: Command = ("GET",) if self.ttl_ms is None else ("GETEX",)
+        tail: tuple[Any, ...] = () if self.ttl_ms is None else ("PX", self.ttl_ms)
         out: list[memoryview | None] = []
         for start in range(0, len(qkeys), self._per_batch):
             chunk = qkeys[start : start + self._per_batch]
-
-            def run(chunk: list[bytes] = chunk) -> list[Any]:
-                pipe = self._client.pipeline(transaction=False)
-                for q in chunk:
-                    if self.ttl_ms is None:
-                        pipe.get(q)
-                    else:
-                        pipe.getex(q, px=self.ttl_ms)
-                return list(pipe.execute(raise_on_error=False))
-
-            blobs, _ = self._call(run, [None] * len(chunk))
+            blobs = self._link.run([(*read, q, *tail) for q in chunk])
+            self._note_errors(blobs, "reads")
             wrong = []
             for key, q, blob in zip(keys[start : start + len(chunk)], chunk, blobs, strict=True):
                 if _wrong_type(blob):
@@ -201,7 +173,7 @@ class RedisTier(StorageTier):
                 self._error(str(e))
                 self._count(misses=1)
                 return None
-            self._call(lambda: self._client.delete(self.prefix + key), 0)
+            self._link.run([("DEL", self.prefix + key)])
             self._count(misses=1, **{e.reason: 1})
             return None
         self._count(hits=1, bytes_read=payload.nbytes)
@@ -218,32 +190,33 @@ class RedisTier(StorageTier):
                 raise ValueError(
                     f"page payload must be {self.identity.page_bytes} bytes, got {memoryview(data).nbytes}"
                 )
+        tail: tuple[Any, ...] = () if self.ttl_ms is None else ("PX", self.ttl_ms)
         ok: list[bool] = []
         for start in range(0, len(items), self._per_batch):
             chunk = items[start : start + self._per_batch]
-
-            def run(chunk: Sequence[tuple[bytes, Buffer]] = chunk) -> list[bool]:
-                pipe = self._client.pipeline(transaction=False)
-                for key, data in chunk:
-                    pipe.set(self.prefix + key, fmt.encode_page(self.identity, key, data), px=self.ttl_ms)
-                replies = pipe.execute(raise_on_error=False)  # an error reply fails its page only
-                errors = [r for r in replies if isinstance(r, Exception)]
-                if errors:
-                    self._error(f"redis {self.url}: {len(errors)} of {len(replies)} writes failed: {errors[0]}")
-                return [not isinstance(r, Exception) and bool(r) for r in replies]
-
-            results, _ = self._call(run, [False] * len(chunk))
-            ok.extend(results)
+            replies = self._link.run(
+                [("SET", self.prefix + key, fmt.encode_page(self.identity, key, data), *tail) for key, data in chunk]
+            )
+            self._note_errors(replies, "writes")
+            ok.extend(not isinstance(r, Exception) and bool(r) for r in replies)
         n_ok = sum(ok)
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes, write_failures=len(ok) - n_ok)
         return ok
 
+    def _note_errors(self, replies: list[Any], what: str) -> None:
+        """Count error replies (OOM under maxmemory, a redirect a plain client cannot follow)
+        once per batch; the link has already counted servers that did not answer."""
+        errors = [r for r in replies if isinstance(r, Exception) and not isinstance(r, self._down)]
+        errors = [r for r in errors if not _wrong_type(r)]
+        if errors:
+            self._error(f"redis {self.url}: {len(errors)} of {len(replies)} {what} failed: {errors[0]}")
+
     def delete(self, key: bytes) -> bool:
-        q = self.qualified(key)
-        removed, _ = self._call(lambda: self._client.delete(q), 0)
-        if removed:
+        (removed,) = self._link.run([("DEL", self.qualified(key))])
+        if isinstance(removed, int) and removed:
             self._count(deletes=1)
-        return bool(removed)
+            return True
+        return False
 
 
 def _wrong_type(reply: Any) -> bool:

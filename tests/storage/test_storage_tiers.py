@@ -19,12 +19,16 @@ def redis_url(tmp_path_factory) -> Iterator[str]:
     server.stop()
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", "redis", "redis-cluster"])
 def make(request, tmp_path) -> Iterator[MakeTier]:
     tiers: list[StorageTier] = []
+    extra = {
+        "file": lambda: {"dir": str(tmp_path)},
+        "redis": lambda: {"url": request.getfixturevalue("redis_url")},
+        "redis-cluster": lambda: {"url": request.getfixturevalue("redis_cluster").url},
+    }[request.param]()
 
     def build(ident: TierIdentity) -> StorageTier:
-        extra = {"dir": str(tmp_path)} if request.param == "file" else {"url": request.getfixturevalue("redis_url")}
         tier = make_tier(request.param, extra, ident)
         tiers.append(tier)
         return tier
@@ -32,9 +36,11 @@ def make(request, tmp_path) -> Iterator[MakeTier]:
     yield build
     for t in tiers:
         t.check_integrity()
-        if t.backend == "redis":
-            t._client.flushdb()  # type: ignore[attr-defined]
         t.close()
+    if request.param == "redis":
+        RedisServer.flush(extra["url"])
+    if request.param == "redis-cluster":
+        request.getfixturevalue("redis_cluster").flush()
 
 
 @pytest.mark.parametrize("name", GEOMETRY_NAMES)

@@ -1,0 +1,269 @@
+"""ClusterLink: the Redis tier over a Redis (or Valkey) Cluster.
+
+A batch is split by each key's slot into one non-transactional pipeline per master, and the
+pipelines run in parallel. Keys carry no hash tag, so a model's pages spread over all slots.
+A MOVED or ASK reply (resharding, failover) is followed once, to the node it names (ASK with
+ASKING before the command), and a MOVED also refreshes the slot map. A node that does not
+answer is backed off on its own, its commands fail (misses, failed writes) at once, and the
+slot map is refreshed, so that a replica that took over is found. Nothing here raises on
+the data path; pages are verified by the tier above, so a redirect can cost a miss, never
+a wrong page.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit
+
+from hicache.storage.base import TierHealth
+from hicache.storage.redis_link import Backoff, Command, down_errors, redis_errors
+
+REFRESH_EVERY_S = 0.25  # the most often the slot map is asked for again
+
+
+def split_urls(url: str | Sequence[str]) -> list[str]:
+    """The startup nodes' URLs: one URL, a comma-separated string, or a list. Raises
+    ValueError for an empty list or a URL a cluster cannot use."""
+    urls = [u.strip() for u in url.split(",")] if isinstance(url, str) else list(url)
+    if not urls or not all(isinstance(u, str) and u for u in urls):
+        raise ValueError(f"redis cluster url must be a URL or a list of URLs, got {url!r}")
+    for u in urls:
+        if not u.startswith(("redis://", "rediss://")):
+            raise ValueError(f"redis cluster url must start with redis:// or rediss:// (no unix sockets), got {u!r}")
+        parts = urlsplit(u)
+        if not parts.hostname or parts.path not in ("", "/", "/0"):
+            raise ValueError(f"redis cluster url needs host:port and no database but 0, got {u!r}")
+    return urls
+
+
+class ClusterLink:
+    """The cluster that the startup nodes in `url` belong to. Connects lazily: an unreachable
+    cluster makes the link unhealthy, not the constructor fail."""
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        timeout_s: float,
+        make_backoff: Callable[[], Backoff],
+        on_error: Callable[[str], None],
+        clock: Callable[[], float],
+    ):
+        self.urls = split_urls(url)
+        self.url = ",".join(self.urls)
+        self._timeout, self._make_backoff, self._on_error, self._clock = timeout_s, make_backoff, on_error, clock
+        self._down = down_errors()
+        self._lock = threading.Lock()  # guards _client, _nodes, _refreshed_at
+        self._client: Any = None
+        self._connect_backoff = make_backoff()
+        self._nodes: dict[str, Backoff] = {}  # host:port -> its health, for every node that ever failed
+        self._refreshed_at = -REFRESH_EVERY_S
+        self._refreshing = threading.Lock()
+        self._senders = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hicache-redis-node")
+
+    # ---- topology -----------------------------------------------------------------------------
+    def _cluster(self) -> Any:
+        """The RedisCluster client, connecting first if needed (None while unreachable)."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+        if self._connect_backoff.blocked():
+            return None
+        from redis.cluster import ClusterNode, RedisCluster
+
+        try:
+            others = [ClusterNode(urlsplit(u).hostname, urlsplit(u).port or 6379) for u in self.urls[1:]]
+            client = RedisCluster.from_url(
+                self.urls[0],
+                startup_nodes=others,
+                socket_timeout=self._timeout,
+                socket_connect_timeout=self._timeout,
+                require_full_coverage=False,
+            )
+        except redis_errors() as exc:
+            self._connect_backoff.failed()
+            self._on_error(f"redis cluster {self.url}: {type(exc).__name__}: {exc}")
+            return None
+        self._connect_backoff.ok()
+        with self._lock:
+            if self._client is None:
+                self._client, self._refreshed_at = client, self._clock()
+            else:
+                client.close()
+            return self._client
+
+    def _refresh(self) -> None:
+        """Ask for the slot map again, at most every REFRESH_EVERY_S, by one thread at a time."""
+        with self._lock:
+            client = self._client
+            if client is None or self._clock() - self._refreshed_at < REFRESH_EVERY_S:
+                return
+            self._refreshed_at = self._clock()
+        if not self._refreshing.acquire(blocking=False):
+            return
+        try:
+            client.nodes_manager.initialize()
+        except Exception as exc:  # noqa: BLE001 - a refresh that fails leaves the old map
+            self._on_error(f"redis cluster {self.url}: slot map refresh failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._refreshing.release()
+
+    def _node_backoff(self, name: str) -> Backoff:
+        with self._lock:
+            if name not in self._nodes:
+                self._nodes[name] = self._make_backoff()
+            return self._nodes[name]
+
+    def _blocked(self, name: str) -> bool:
+        with self._lock:
+            backoff = self._nodes.get(name)
+        return backoff is not None and backoff.blocked()
+
+    # ---- the data path --------------------------------------------------------------------------
+    def run(self, commands: Sequence[Command]) -> list[Any]:
+        import redis
+        from redis.crc import key_slot
+        from redis.exceptions import AskError, MovedError
+
+        if not commands:
+            return []
+        client = self._cluster()
+        if client is None:
+            return [redis.ConnectionError(f"redis cluster {self.url} unreachable")] * len(commands)
+        replies: list[Any] = [None] * len(commands)
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        stale = False
+        for i, command in enumerate(commands):
+            try:
+                node = client.nodes_manager.get_node_from_slot(key_slot(command[1]))
+            except redis.RedisError as exc:  # a slot no master serves (mid-failover)
+                replies[i], stale = exc, True
+                continue
+            if self._blocked(node.name):
+                replies[i], stale = redis.ConnectionError(f"redis node {node.name} is down"), True
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+        stale |= self._send(client, by_node, commands, replies, asking=False)
+        # follow each redirect once: to the node named, after ASKING for an ASK
+        redirected: dict[str, tuple[Any, list[int]]] = {}
+        asked: dict[str, tuple[Any, list[int]]] = {}
+        for i, reply in enumerate(replies):
+            if isinstance(reply, AskError):
+                node = client.nodes_manager.get_node(reply.host, reply.port) or _node(reply.host, reply.port)
+                (redirected if isinstance(reply, MovedError) else asked).setdefault(node.name, (node, []))[1].append(i)
+                stale |= isinstance(reply, MovedError)
+        if stale:
+            self._refresh()
+        self._send(client, redirected, commands, replies, asking=False)
+        self._send(client, asked, commands, replies, asking=True)
+        return replies
+
+    def _send(
+        self,
+        client: Any,
+        by_node: dict[str, tuple[Any, list[int]]],
+        commands: Sequence[Command],
+        replies: list[Any],
+        *,
+        asking: bool,
+    ) -> bool:
+        """Run each node's commands as one pipeline, the nodes in parallel, writing the replies
+        in place; True if a node did not answer (the slot map may be stale)."""
+        jobs = [(node, idx) for node, idx in by_node.values()]
+        if not jobs:
+            return False
+
+        def one(node: Any, idx: list[int]) -> bool:
+            out = self._pipeline(client, node, [commands[i] for i in idx], asking)
+            for i, reply in zip(idx, out, strict=True):
+                replies[i] = reply
+            return any(isinstance(r, self._down) for r in out)
+
+        if len(jobs) == 1:
+            return one(*jobs[0])
+        return any(f.result() for f in [self._senders.submit(one, node, idx) for node, idx in jobs])
+
+    def _pipeline(self, client: Any, node: Any, commands: list[Command], asking: bool) -> list[Any]:
+        try:
+            conn = node.redis_connection or client.get_redis_connection(node)
+            pipe = conn.pipeline(transaction=False)
+            for command in commands:
+                if asking:
+                    pipe.execute_command("ASKING")
+                pipe.execute_command(*command)
+            out = list(pipe.execute(raise_on_error=False))
+        except redis_errors() as exc:
+            if isinstance(exc, self._down):
+                self._node_backoff(node.name).failed()
+            self._on_error(f"redis node {node.name}: {type(exc).__name__}: {exc}")
+            return [exc] * len(commands)
+        with self._lock:
+            backoff = self._nodes.get(node.name)
+        if backoff is not None:
+            backoff.ok()
+        return out[1::2] if asking else out
+
+    # ---- health -----------------------------------------------------------------------------
+    def health(self) -> TierHealth:
+        client = self._cluster()
+        if client is None:
+            return TierHealth(
+                False, f"redis cluster {self.url} unreachable; retry in {self._connect_backoff.retry_in():.2f}s"
+            )
+        for name in self._due():
+            self._probe(client, name)
+        serving = self._masters(client)
+        down = set(self.nodes_down())
+        if down & serving or len(self._covered(client)) < 16384:
+            self._refresh()  # a replica may have taken over since
+            serving, covered = self._masters(client), self._covered(client)
+            if down & serving or len(covered) < 16384:
+                return TierHealth(
+                    False,
+                    f"redis cluster {self.url}: {16384 - len(covered)} slots unserved, "
+                    f"masters down: {sorted(down & serving)}",
+                )
+        if down:
+            return TierHealth(True, f"redis cluster: nodes down but their slots are served: {sorted(down)}")
+        return TierHealth(True)
+
+    def _due(self) -> list[str]:
+        with self._lock:
+            return [name for name, b in self._nodes.items() if b.due()]
+
+    def _probe(self, client: Any, name: str) -> None:
+        host, port = name.rsplit(":", 1)
+        node = client.nodes_manager.get_node(host, int(port)) or _node(host, int(port))
+        self._pipeline(client, node, [("PING",)], asking=False)
+
+    @staticmethod
+    def _masters(client: Any) -> set[str]:
+        with client.nodes_manager._lock:
+            return {nodes[0].name for nodes in client.nodes_manager.slots_cache.values() if nodes}
+
+    @staticmethod
+    def _covered(client: Any) -> list[int]:
+        with client.nodes_manager._lock:
+            return [slot for slot, nodes in client.nodes_manager.slots_cache.items() if nodes]
+
+    def nodes_down(self) -> list[str]:
+        if self._client is None and not self._connect_backoff.healthy:
+            return list(self.urls)
+        with self._lock:
+            return sorted(name for name, b in self._nodes.items() if not b.healthy)
+
+    def close(self) -> None:
+        self._senders.shutdown(wait=True)
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def _node(host: str, port: int) -> Any:
+    """A ClusterNode the client does not know yet (a redirect's target before a refresh)."""
+    from redis.cluster import ClusterNode
+
+    return ClusterNode(host, port)

@@ -1,0 +1,208 @@
+"""The Redis tier over a real Redis Cluster (3 masters, 3 replicas on loopback ports):
+pages spread over the masters, a master killed mid-run, slots resharded under load, and
+the start-up errors for a config that disagrees with the server about being a cluster."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from tier_helpers import GEOMETRIES, RedisServer, identity, key, payload
+
+from hicache.demo.redis_cluster import LocalRedisCluster
+from hicache.storage import make_tier
+from hicache.storage.factory import backend_reachable, check_backend_kind
+from hicache.storage.redis import RedisTier
+
+G = GEOMETRIES["mimo_kv"]
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[LocalRedisCluster]:
+    """A cluster of this test's own, for tests that kill or reshard."""
+    with LocalRedisCluster(tmp_path / "cluster") as cluster:
+        yield cluster
+
+
+def fast_tier(url: str | list[str]) -> RedisTier:
+    tier = make_tier(
+        "redis-cluster", {"url": url, "timeout_s": 0.5, "backoff_initial_s": 0.05, "backoff_max_s": 0.5}, identity(G)
+    )
+    assert isinstance(tier, RedisTier)
+    return tier
+
+
+def test_pages_spread_over_every_master(redis_cluster: LocalRedisCluster) -> None:
+    tier = fast_tier(redis_cluster.url)
+    pages = [(key(i), payload(G, i)) for i in range(300)]
+    assert tier.batch_set(pages) == [True] * 300
+    counts = []
+    for port in redis_cluster.master_ports():
+        with redis.Redis(port=port) as node:
+            counts.append(node.dbsize())
+    assert sum(counts) == 300 and min(counts) > 60, counts  # no hash tag piles a model onto one slot
+    got = tier.batch_get([k for k, _ in pages])
+    assert [bytes(g) if g is not None else None for g in got] == [p for _, p in pages]
+    assert tier.stats().nodes_down == [] and tier.health().healthy
+    tier.close()
+    redis_cluster.flush()
+
+
+def test_a_list_of_startup_nodes_and_a_dead_first_one(redis_cluster: LocalRedisCluster) -> None:
+    tier = fast_tier(["redis://127.0.0.1:1", *redis_cluster.urls[1:3]])  # nothing listens on port 1
+    assert tier.set(key(1), payload(G, 1)) and bytes(tier.get(key(1))) == payload(G, 1)
+    tier.close()
+    redis_cluster.flush()
+
+
+class Load:
+    """A thread writing pages and reading back random earlier ones through `tier`: every
+    page served must be the one written; no call may raise."""
+
+    def __init__(self, tier: RedisTier):
+        self.tier = tier
+        self.written: dict[bytes, bytes] = {}
+        self.hits = self.misses = self.wrong = self.failed_writes = 0
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.n = 0
+
+    def _run(self) -> None:
+        rng = random.Random(7)
+        try:
+            while not self._stop.is_set():
+                batch = [(key(self.n + i), payload(G, self.n + i)) for i in range(8)]
+                for (k, p), ok in zip(batch, self.tier.batch_set(batch), strict=True):
+                    if ok:
+                        self.written[k] = p
+                    else:
+                        self.failed_writes += 1
+                self.n += 8
+                keys = rng.sample(sorted(self.written), min(16, len(self.written)))
+                for k, got in zip(keys, self.tier.batch_get(keys), strict=True):
+                    if got is None:
+                        self.misses += 1
+                    elif bytes(got) == self.written[k]:
+                        self.hits += 1
+                    else:
+                        self.wrong += 1
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            self.errors.append(exc)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.hits, self.misses
+
+
+def wait_for(condition, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_master_killed_mid_run_fails_over_to_its_replica(own_cluster: LocalRedisCluster) -> None:
+    tier = fast_tier(own_cluster.url)
+    with Load(tier) as load:
+        wait_for(lambda: load.hits > 50)
+        victim = own_cluster.master_ports()[1]
+        own_cluster.kill(victim)
+        wait_for(lambda: not tier.health().healthy or f"127.0.0.1:{victim}" in tier.nodes_down())
+        own_cluster.wait_ok()  # the replica has taken over
+        wait_for(lambda: tier.health().healthy)
+        hits_after = load.hits
+        wait_for(lambda: load.hits > hits_after + 100)  # hits again after the failover
+    assert not load.errors, load.errors
+    assert load.wrong == 0, "a wrong page was served"
+    assert load.misses > 0 or load.failed_writes > 0, "the failover cost nothing: was the master killed?"
+    stats = tier.stats()
+    assert stats.healthy and stats.nodes_down == [f"127.0.0.1:{victim}"], stats.nodes_down
+    assert "served" in tier.health().detail  # healthy, and it says which node is down
+    # every page written after the failover is readable
+    fresh = [(key(10**6 + i), payload(G, i)) for i in range(50)]
+    assert tier.batch_set(fresh) == [True] * 50
+    assert [bytes(g) if g is not None else None for g in tier.batch_get([k for k, _ in fresh])] == [p for _, p in fresh]
+    tier.close()
+
+
+def test_resharding_under_load_serves_only_verified_pages(own_cluster: LocalRedisCluster) -> None:
+    tier = fast_tier(own_cluster.url)
+    with Load(tier) as load:
+        wait_for(lambda: len(load.written) > 400)
+        masters = own_cluster.master_ports()
+        own_cluster.reshard(masters[0], masters[1], 1500)
+        own_cluster.reshard(masters[2], masters[0], 500)
+        n_after = load.n
+        wait_for(lambda: load.n > n_after + 200)
+    assert not load.errors, load.errors
+    assert load.wrong == 0 and load.failed_writes == 0, (load.wrong, load.failed_writes)
+    written = dict(load.written)
+    got = tier.batch_get(list(written))
+    assert [bytes(g) if g is not None else None for g in got] == list(written.values()), "a page was lost"
+    assert tier.health().healthy
+    tier.close()
+
+
+def test_unreachable_cluster_at_start_does_not_raise() -> None:
+    tier = fast_tier("redis://127.0.0.1:1")
+    assert tier.get(key(0)) is None and tier.set(key(0), payload(G, 0)) is False
+    health = tier.health()
+    assert not health.healthy and "unreachable" in health.detail
+    assert tier.stats().nodes_down == ["redis://127.0.0.1:1"]
+    ok, why = backend_reachable("redis-cluster", {"url": "redis://127.0.0.1:1", "timeout_s": 0.2})
+    assert not ok and "unreachable" in why
+    tier.close()
+
+
+def test_cluster_and_plain_server_mismatches_are_start_up_errors(
+    redis_cluster: LocalRedisCluster, tmp_path: Path
+) -> None:
+    plain = RedisServer(tmp_path)
+    plain.start()
+    try:
+        with pytest.raises(ValueError, match=r"is not a cluster node \(cluster_enabled:0\)"):
+            check_backend_kind("redis-cluster", {"url": plain.url.removesuffix("/0")})
+        with pytest.raises(ValueError, match=r"is a Redis Cluster node .* redis-cluster"):
+            check_backend_kind("redis", {"url": redis_cluster.url})
+        with pytest.raises(ValueError, match=r"is a Redis Cluster node"):
+            check_backend_kind("redis", {"url": redis_cluster.url, "cluster": False})
+        check_backend_kind("redis", {"url": redis_cluster.url, "cluster": True})
+        check_backend_kind("redis", {"url": plain.url})
+        check_backend_kind("redis-cluster", {"url": "redis://127.0.0.1:1", "timeout_s": 0.2})  # unreachable passes
+        ok, why = backend_reachable("redis", {"url": redis_cluster.url})
+        assert not ok and "redis-cluster" in why
+    finally:
+        plain.stop()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("unix:///tmp/x.sock", "no unix sockets"),
+        ("redis://127.0.0.1:7000/3", "no database but 0"),
+        (["redis://127.0.0.1:7000", 5], "a URL or a list of URLs"),
+        ([], 'needs "url"'),
+        ("redis://", "needs host:port"),
+    ],
+)
+def test_bad_cluster_urls_are_refused_naming_them(url: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_tier("redis-cluster", {"url": url}, identity(G))
+
+
+def test_cluster_must_be_a_boolean() -> None:
+    with pytest.raises(ValueError, match="cluster must be true or false, got 'yes'"):
+        make_tier("redis", {"url": "redis://127.0.0.1:7000", "cluster": "yes"}, identity(G))
