@@ -130,3 +130,45 @@ class OpEvent:
     layers_done: int = 0
     layer_num: int = 0
     error: str = ""
+
+
+class EventKind(enum.Enum):
+    """What a KV event says; names match hicache.v1.KVEvent.Kind without the KIND_ prefix."""
+
+    STORED = "stored"  # keys are now in `tier`
+    REMOVED = "removed"  # keys left `tier` (evicted, deleted, or found corrupt)
+    POOL_REGISTERED = "pool_registered"
+    POOL_UNREGISTERED = "pool_unregistered"  # and every key it held on host is gone with it
+
+
+@dataclass(frozen=True)
+class EventPool:
+    """The pool an event is about: enough for a router to tell engines, groups and ranks apart."""
+
+    pool_id: str
+    namespace: str
+    model_id: str
+    group: str
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    kind: EventKind
+    pool: EventPool
+    tier: Tier = Tier.NONE  # HOST or STORAGE for STORED / REMOVED
+    keys: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """Events in the order they happened. Each subscription numbers its events from 1, and
+    events it lost (a slow subscriber) use up their numbers: `sequence` is the first event's
+    number, so a batch that does not start where the last one ended shows a gap, and
+    `dropped` says how many were lost just before it (resubscribe with a snapshot to resync)."""
+
+    sequence: int
+    events: tuple[KVEvent, ...]
+    dropped: int = 0
+    timestamp: float = 0.0  # time.time() when the batch was sent

@@ -1,4 +1,4 @@
-"""The `hicache` command line: demo, geometry, health and stats."""
+"""The `hicache` command line: demo, geometry, health, stats and events."""
 
 from __future__ import annotations
 
@@ -58,6 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="the sidecar's --admin-token (unset: $HICACHE_ADMIN_TOKEN; never shown here)",
     )
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    events = sub.add_parser(
+        "events", formatter_class=fmt, help="follow a sidecar's KV events (JSON lines), as a router would"
+    )
+    events.add_argument(
+        "target",
+        nargs="?",
+        default=os.environ.get("HICACHE_SOCKET") or default_socket_path(),
+        help="sidecar socket path or gRPC target ($HICACHE_SOCKET, else the server's default socket)",
+    )
+    events.add_argument("--namespace", default=None, help="only this tenant's pools (unset: every namespace)")
+    events.add_argument("--no-snapshot", action="store_true", help="changes only, not what each pool holds now")
+    events.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    events.add_argument("--token", default=None, help="shared token (unset: $HICACHE_TOKEN; never shown here)")
+    events.add_argument(
+        "--admin-token", default=None, help="the sidecar's --admin-token (unset: $HICACHE_ADMIN_TOKEN; never shown)"
+    )
     return parser
 
 
@@ -78,6 +94,17 @@ def main(argv: list[str] | None = None) -> int:
             status = check_health(args.target, service=args.service, timeout=args.timeout)
             print(status)
             return health_exit_code(status)
+        if args.command == "events":
+            from hicache.client.events_cli import print_events
+
+            return print_events(
+                args.target,
+                namespace=args.namespace,
+                snapshot=not args.no_snapshot,
+                duration=args.duration,
+                token=args.token or os.environ.get("HICACHE_TOKEN"),
+                admin_token=args.admin_token or os.environ.get("HICACHE_ADMIN_TOKEN"),
+            )
         from hicache.client.stats_cli import print_stats
 
         return print_stats(

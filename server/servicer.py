@@ -85,12 +85,12 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         if not mine:
             raise Forbidden(f"pool {pool_id!r}: {'wrong' if given else 'missing'} pool secret ({POOL_SECRET})")
 
-    def _admin(self, context: grpc.ServicerContext) -> None:
+    def _admin(self, context: grpc.ServicerContext, what: str = "stats of all pools") -> None:
         if self.admin_token is None:
-            raise Forbidden("stats of all pools need the sidecar's --admin-token; name your own pool instead")
+            raise Forbidden(f"{what} need the sidecar's --admin-token")
         given = _metadata(context, ADMIN_TOKEN)
         if not hmac.compare_digest(given.encode(), self.admin_token.encode()):
-            raise Forbidden(f"stats of all pools: {'wrong' if given else 'missing'} admin token ({ADMIN_TOKEN})")
+            raise Forbidden(f"{what}: {'wrong' if given else 'missing'} admin token ({ADMIN_TOKEN})")
 
     @_mapped
     def RegisterPool(self, request: pb.RegisterPoolRequest, context: grpc.ServicerContext) -> pb.RegisterPoolResponse:
@@ -208,6 +208,24 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             abort_for(exc, context)
         for event in events:
             yield convert.event_to_pb(request.op_id, event)
+
+    def SubscribeEvents(
+        self, request: pb.SubscribeEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.EventBatch]:
+        try:
+            self._admin(context, "KV events")
+            namespace = None if request.all_namespaces else request.namespace
+            sub = self.service.subscribe(namespace, snapshot=not request.skip_snapshot)
+        except Exception as exc:
+            abort_for(exc, context)
+        context.add_callback(sub.close)  # the client went away: stop queueing for it
+        try:
+            while context.is_active() and not sub.closed:
+                batch = sub.next_batch(timeout=0.25)
+                if batch is not None:
+                    yield convert.event_batch_to_pb(batch)
+        finally:
+            sub.close()
 
 
 def _metadata(context: grpc.ServicerContext, name: str) -> str:

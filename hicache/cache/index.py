@@ -11,7 +11,7 @@ A page is in exactly one state:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from hicache.validate import is_int
 
@@ -41,6 +41,9 @@ class HostIndex:
         self._entries: dict[bytes, _Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # evictable keys, oldest first
         self.evictions = 0  # keys dropped to make room (allocate, evict); for stats
+        # called with ("stored" | "removed", keys) after each change of what is resident, under
+        # the owner's lock, so in order (KV events); must only record, never block
+        self.observer: Callable[[str, list[bytes]], None] | None = None
 
     # ---- queries ----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -99,6 +102,8 @@ class HostIndex:
             self._free.append(page)
             evicted.append((key, page))
         self.evictions += len(evicted)
+        if evicted and self.observer is not None:
+            self.observer("removed", [k for k, _ in evicted])
         pages = [self._free.pop() for _ in range(n)]
         self._reserved.update(pages)
         return pages, evicted
@@ -114,6 +119,8 @@ class HostIndex:
         self._reserved.remove(page)
         self._entries[key] = _Entry(page)
         self._lru[key] = None
+        if self.observer is not None:
+            self.observer("stored", [key])
 
     def release(self, pages: Iterable[int]) -> None:
         """Return reserved pages that were never bound (a failed or abandoned copy)."""
@@ -134,6 +141,8 @@ class HostIndex:
         del self._entries[key]
         del self._lru[key]
         self._free.append(entry.page)
+        if self.observer is not None:
+            self.observer("removed", [key])
         return entry.page
 
     def evict(self, n: int) -> list[tuple[bytes, int]]:
@@ -145,6 +154,8 @@ class HostIndex:
             self._free.append(page)
             out.append((key, page))
         self.evictions += len(out)
+        if out and self.observer is not None:
+            self.observer("removed", [k for k, _ in out])
         return out
 
     # ---- recency, pins and references -------------------------------------------------------

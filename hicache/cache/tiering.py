@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hicache.cache.fetch import FetchMixin, unique_keys
@@ -147,6 +147,12 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
                 raise ValueError(f"key {k.hex()} is not reserved for an offload")
         for k, _ in reservation.new:
             del self._pending[k]
+
+    def with_host_keys(self, fn: Callable[[list[bytes]], None]) -> None:
+        """Call fn(every resident key) under the cache lock: no index change runs meanwhile
+        (a KV-event snapshot that agrees with the events published before and after it)."""
+        with self._lock:
+            fn(self.index.keys())
 
     def put(self, keys: Sequence[bytes], pages_data: Sequence[Buffer]) -> bool:
         """reserve + write_page + commit, for callers that hold page bytes. False if no room."""

@@ -34,6 +34,7 @@ import numpy as np
 from hicache.api import (
     ADMIN_TOKEN,
     POOL_SECRET,
+    EventBatch,
     EvictResult,
     KeyStatus,
     LookupResult,
@@ -302,6 +303,30 @@ class HiCacheClient:
                 yield convert.event_from_pb(msg)
         except grpc.RpcError as exc:
             raise HiCacheRpcError(exc.code(), exc.details() or "") from None
+
+    def events(
+        self, namespace: str | None = None, *, snapshot: bool = True, duration: float | None = None
+    ) -> Iterator[EventBatch]:
+        """The sidecar's KV events (needs the client's admin_token): of the pools in `namespace`,
+        or of every namespace for None. With snapshot, it opens with each pool's
+        POOL_REGISTERED and STORED(host, its resident keys). Runs until the caller stops
+        iterating, the sidecar stops, or `duration` s have passed (then it ends quietly).
+        EventBatch.dropped > 0: events were lost (the subscriber fell behind); subscribe
+        again for a fresh snapshot. Raises HiCacheRpcError (PERMISSION_DENIED without the token)."""
+        req = pb.SubscribeEventsRequest(
+            all_namespaces=namespace is None, namespace=namespace or "", skip_snapshot=not snapshot
+        )
+        metadata = (*self._metadata, *(((ADMIN_TOKEN, self._admin),) if self._admin else ()))
+        stream = self._stub.SubscribeEvents(req, timeout=duration, metadata=metadata)
+        try:
+            for msg in stream:
+                yield convert.event_batch_from_pb(msg)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return
+            raise HiCacheRpcError(exc.code(), exc.details() or "") from None
+        finally:
+            stream.cancel()
 
     def evict(self, keys: Sequence[bytes] = (), num_pages: int = 0, *, pool: PoolRef = None) -> EvictResult:
         """Drop `keys`, or free num_pages host pages, least recently used first."""

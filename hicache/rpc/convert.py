@@ -8,7 +8,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from hicache.api import KeyStatus, LookupResult, OpEvent, PoolStats, Tier, TierStats
+from hicache.api import (
+    EventBatch,
+    EventKind,
+    EventPool,
+    KeyStatus,
+    KVEvent,
+    LookupResult,
+    OpEvent,
+    PoolStats,
+    Tier,
+    TierStats,
+)
 from hicache.geometry import KVGeometry
 from hicache.memory import MemoryHandle
 from hicache.rpc.generated import hicache_pb2 as pb
@@ -162,3 +173,40 @@ def stats_from_pb(m: pb.PoolStats) -> PoolStats:
         m.copy_backend,
         tuple(m.storage_nodes_down),
     )
+
+
+def event_batch_to_pb(batch: EventBatch) -> pb.EventBatch:
+    events = []
+    for e in batch.events:
+        p = e.pool
+        changed = e.kind in (EventKind.STORED, EventKind.REMOVED)
+        events.append(
+            pb.KVEvent(
+                kind=pb.KVEvent.Kind.Value("KIND_" + e.kind.name),
+                tier=tier_to_pb(e.tier) if changed else pb.TIER_UNSPECIFIED,
+                keys=list(e.keys),
+                pool_id=p.pool_id,
+                namespace=p.namespace,
+                model_id=p.model_id,
+                group=p.group,
+                tp_rank=p.tp_rank,
+                tp_size=p.tp_size,
+            )
+        )
+    return pb.EventBatch(sequence=batch.sequence, events=events, dropped=batch.dropped, timestamp=batch.timestamp)
+
+
+def event_batch_from_pb(msg: pb.EventBatch) -> EventBatch:
+    events = []
+    for e in msg.events:
+        kind = _event_kind(e.kind)
+        if kind is None:  # a kind of a newer sidecar: skipped, not guessed
+            continue
+        pool = EventPool(e.pool_id, e.namespace, e.model_id, e.group, e.tp_rank, e.tp_size)
+        events.append(KVEvent(kind, pool, tier_from_pb(e.tier) if e.tier else Tier.NONE, tuple(e.keys)))
+    return EventBatch(msg.sequence, tuple(events), msg.dropped, msg.timestamp)
+
+
+def _event_kind(value: int) -> EventKind | None:
+    name = {v: k for k, v in pb.KVEvent.Kind.items()}.get(value, "KIND_UNSPECIFIED").removeprefix("KIND_")
+    return EventKind.__members__.get(name)

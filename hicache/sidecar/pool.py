@@ -17,6 +17,7 @@ from hicache.cache.tiering import HierarchicalCache
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.sidecar.checks import check_keys, check_pages
 from hicache.sidecar.errors import StateError
+from hicache.sidecar.events import PoolEvents
 from hicache.sidecar.operations import Operation, OperationTable, PrefetchTable, copy_layers, prefetch_statuses
 from hicache.sidecar.pool_stats import Counters, pool_stats
 from hicache.sidecar.registration import PoolIdentity
@@ -42,7 +43,10 @@ class RegisteredPool:
         finished_ops_kept: int,
         io_backend: Backend = "auto",
         clock: Callable[[], float] = time.monotonic,
+        events: PoolEvents | None = None,
     ):
+        """`events`: where the pool publishes KV events (registered now, unregistered at close,
+        and every change of what its host index and storage tier hold)."""
         assert isinstance(cache.pool, HostKVPool)
         self.identity = identity
         self.device = device
@@ -60,6 +64,11 @@ class RegisteredPool:
         self._ops = OperationTable(finished_ops_kept)
         self._prefetches = PrefetchTable(finished_ops_kept)
         self._clock = clock
+        self.events = events
+        if events is not None:
+            cache.index.observer = events.host
+            cache.storage.add_watcher(events.storage)
+            events.registered()
 
     @property
     def index(self) -> HostIndex:
@@ -294,6 +303,10 @@ class RegisteredPool:
             return
         try:
             self.cache.close()
+            if self.events is not None:
+                self.cache.storage.remove_watcher(self.events.storage)
+                self.cache.index.observer = None
+                self.events.unregistered()
             self.cache.storage.close()
             self.engine.close()
             self.host.close()

@@ -6,16 +6,18 @@ from __future__ import annotations
 import contextlib
 import secrets
 
+from hicache.api import EventPool
 from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, FdStore
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
+from hicache.sidecar.events import EventBus, PoolEvents
 from hicache.sidecar.pool import RegisteredPool
 from hicache.sidecar.registration import PoolIdentity, PoolRequest, map_device, map_engine_layout
 
 
 def build_pool(
-    req: PoolRequest, host_pages: int, config: ServiceConfig, ipc: CudaIpcOpens, fds: FdStore
+    req: PoolRequest, host_pages: int, config: ServiceConfig, ipc: CudaIpcOpens, fds: FdStore, bus: EventBus
 ) -> RegisteredPool:
     """The pool `req` asks for, with host_pages host pages. Raises ValueError for memory that
     cannot be mapped (and whatever the tier raises), with nothing left allocated."""
@@ -51,6 +53,9 @@ def build_pool(
             max_batch=config.max_batch,
             finished_ops_kept=config.finished_ops_kept,
             io_backend=IO_BACKENDS[config.io_backend],
+            events=PoolEvents(
+                bus, EventPool(identity.pool_id, req.namespace, req.model_id, req.group, req.tp_rank, req.tp_size)
+            ),
         )
         undo.pop_all()
         return pool

@@ -12,6 +12,7 @@ Errors follow hicache.sidecar.errors: ValueError / UnknownId (a KeyError) / Stat
 from __future__ import annotations
 
 import errno
+import functools
 import hmac
 import logging
 import shutil
@@ -20,6 +21,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from hicache.api import (
+    EventKind,
+    EventPool,
     EvictResult,
     KeyStatus,
     LookupResult,
@@ -27,6 +30,7 @@ from hicache.api import (
     PoolInfo,
     PoolStats,
     PrefetchOutcome,
+    Tier,
     TransferResult,
 )
 from hicache.cache.prefetch import PrefetchHandle
@@ -34,6 +38,7 @@ from hicache.geometry import KVGeometry
 from hicache.memory import CudaIpcOpens, FdStore, MemoryHandle, shm_dir, sweep_dead_segments
 from hicache.sidecar.config import ServiceConfig
 from hicache.sidecar.errors import NoSpace, StateError
+from hicache.sidecar.events import EventBus, Subscription
 from hicache.sidecar.health import degraded_but_serving, storage_health
 from hicache.sidecar.operations import Operation, operation_events
 from hicache.sidecar.pool import RegisteredPool
@@ -61,6 +66,7 @@ class HiCacheService:
         self._requests = RequestCache(config.request_cache_size)
         self._ipc = CudaIpcOpens()
         self._space_lock = threading.Lock()  # one pool at a time checks /dev/shm and reserves in it
+        self.events = EventBus()
         _sweep()
 
     # ---- registration -----------------------------------------------------------------------
@@ -119,7 +125,7 @@ class HiCacheService:
             if host_bytes > free:
                 return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
             try:
-                pool = build_pool(req, host_pages, self.config, self._ipc, self.fds)
+                pool = build_pool(req, host_pages, self.config, self._ipc, self.fds, self.events)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
                     raise
@@ -259,6 +265,19 @@ class HiCacheService:
         finishes or cancelled() is true. Raises KeyError for an unknown id."""
         return operation_events(self.operation(pool_id, op_id), cancelled, poll_s)
 
+    # ---- KV events -----------------------------------------------------------------------------
+    def subscribe(self, namespace: str | None = None, *, snapshot: bool = True) -> Subscription:
+        """KV events of the pools in `namespace` (None: all) from now on. With snapshot, the
+        subscription starts with POOL_REGISTERED and STORED(host, every resident key) of each
+        such pool, each taken under that pool's lock, so snapshot and later events agree."""
+        sub = self.events.subscribe(namespace)
+        if snapshot:
+            for pool in self.pool_snapshots():
+                ref = pool.events.pool if pool.events is not None else None
+                if ref is not None and sub.matches(ref):
+                    pool.cache.with_host_keys(functools.partial(_snapshot, sub, ref))
+        return sub
+
     # ---- lifecycle ------------------------------------------------------------------------------
     @property
     def pool_ids(self) -> list[str]:
@@ -290,16 +309,24 @@ class HiCacheService:
         return True, ""
 
     def close(self) -> None:
-        """Refuse new registrations and release every pool after its in-flight work. Idempotent."""
+        """Refuse new registrations and release every pool after its in-flight work, then end
+        every event subscription. Idempotent."""
         for pool_id in self._pools.shut():
             try:
                 self._release(pool_id)
             except KeyError:
                 pass
+        self.events.close()
 
     def check_integrity(self) -> None:
         for pool in self._pools.check_integrity():
             pool.check_integrity()
+
+
+def _snapshot(sub: Subscription, pool: EventPool, keys: list[bytes]) -> None:
+    sub.offer(EventKind.POOL_REGISTERED, pool, Tier.NONE, [])
+    if keys:
+        sub.offer(EventKind.STORED, pool, Tier.HOST, keys)
 
 
 def _sweep() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -113,6 +113,7 @@ class StorageTier(ABC):
         self.identity = identity
         self._stats_lock = threading.Lock()
         self._counters = TierStats(backend=self.backend)
+        self._watchers: tuple[Callable[[str, list[bytes]], None], ...] = ()
 
     # ---- the interface -----------------------------------------------------------------------
     @abstractmethod
@@ -174,6 +175,23 @@ class StorageTier(ABC):
         snap.healthy = self.health().healthy
         self._fill_stats(snap)
         return snap
+
+    # ---- watchers (KV events) ------------------------------------------------------------------
+    def add_watcher(self, watcher: Callable[[str, list[bytes]], None]) -> None:
+        """Call watcher("stored" | "removed", keys) after pages are written or leave the tier
+        (deleted, evicted by its cap, found corrupt). It must only record, never block. A
+        tier does not see what its backend drops by itself (a Redis TTL or maxmemory)."""
+        with self._stats_lock:
+            self._watchers = (*self._watchers, watcher)
+
+    def remove_watcher(self, watcher: Callable[[str, list[bytes]], None]) -> None:
+        with self._stats_lock:
+            self._watchers = tuple(w for w in self._watchers if w is not watcher)
+
+    def _changed(self, change: str, keys: list[bytes]) -> None:
+        if keys:
+            for watcher in self._watchers:
+                watcher(change, keys)
 
     # ---- helpers for subclasses -------------------------------------------------------------
     def _fill_stats(self, snap: TierStats) -> None:  # noqa: B027 - optional for a tier

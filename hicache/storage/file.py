@@ -232,6 +232,7 @@ class FileTier(StorageTier):
         if n_ok or full_now:
             self._disk_full = full_now
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes)
+        self._changed("stored", [key for (key, _), good in zip(items, ok, strict=True) if good])
         return ok
 
     def _write_tmp(self, tmp: Path, header: bytes, data: Buffer) -> bool:
@@ -268,11 +269,14 @@ class FileTier(StorageTier):
             removed = _unlink(self.path_of(key))
         if count and (removed or size is not None):
             self._count(deletes=1)
+        if removed or size is not None:
+            self._changed("removed", [key])
         return removed or size is not None
 
     def _evict_locked(self, keep: bytes | None) -> None:
         if self.max_bytes is None:
             return
+        evicted = []
         while self._total > self.max_bytes and self._index:
             key, size = next(iter(self._index.items()))
             if key == keep:
@@ -284,6 +288,8 @@ class FileTier(StorageTier):
             self._total -= size
             _unlink(self.path_of(key))
             self._count(evictions=1)
+            evicted.append(key)
+        self._changed("removed", evicted)
 
     # ---- status -------------------------------------------------------------------------------
     def health(self) -> TierHealth:

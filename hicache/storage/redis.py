@@ -138,6 +138,7 @@ class RedisTier(StorageTier):
         if qkeys:
             self._link.run([("DEL", q) for q in qkeys])
             self._count(corrupt=len(qkeys))
+            self._changed("removed", [q[len(self.prefix) :] for q in qkeys])
 
     def get(self, key: bytes) -> memoryview | None:
         return self.batch_get([key])[0]
@@ -175,6 +176,7 @@ class RedisTier(StorageTier):
                 return None
             self._link.run([("DEL", self.prefix + key)])
             self._count(misses=1, **{e.reason: 1})
+            self._changed("removed", [key])
             return None
         self._count(hits=1, bytes_read=payload.nbytes)
         return payload
@@ -198,7 +200,9 @@ class RedisTier(StorageTier):
                 [("SET", self.prefix + key, fmt.encode_page(self.identity, key, data), *tail) for key, data in chunk]
             )
             self._note_errors(replies, "writes")
-            ok.extend(not isinstance(r, Exception) and bool(r) for r in replies)
+            done = [not isinstance(r, Exception) and bool(r) for r in replies]
+            self._changed("stored", [key for (key, _), good in zip(chunk, done, strict=True) if good])
+            ok.extend(done)
         n_ok = sum(ok)
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes, write_failures=len(ok) - n_ok)
         return ok
@@ -215,6 +219,7 @@ class RedisTier(StorageTier):
         (removed,) = self._link.run([("DEL", self.qualified(key))])
         if isinstance(removed, int) and removed:
             self._count(deletes=1)
+            self._changed("removed", [key])
             return True
         return False
 

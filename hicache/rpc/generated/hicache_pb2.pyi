@@ -417,3 +417,59 @@ class WatchEvent(_message.Message):
     layer_num: int
     error: str
     def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., layer_num: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class SubscribeEventsRequest(_message.Message):
+    __slots__ = ("all_namespaces", "namespace", "skip_snapshot")
+    ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    all_namespaces: bool
+    namespace: str
+    skip_snapshot: bool
+    def __init__(self, all_namespaces: _Optional[bool] = ..., namespace: _Optional[str] = ..., skip_snapshot: _Optional[bool] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("kind", "tier", "keys", "pool_id", "namespace", "model_id", "group", "tp_rank", "tp_size")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[KVEvent.Kind]
+        KIND_STORED: _ClassVar[KVEvent.Kind]
+        KIND_REMOVED: _ClassVar[KVEvent.Kind]
+        KIND_POOL_REGISTERED: _ClassVar[KVEvent.Kind]
+        KIND_POOL_UNREGISTERED: _ClassVar[KVEvent.Kind]
+    KIND_UNSPECIFIED: KVEvent.Kind
+    KIND_STORED: KVEvent.Kind
+    KIND_REMOVED: KVEvent.Kind
+    KIND_POOL_REGISTERED: KVEvent.Kind
+    KIND_POOL_UNREGISTERED: KVEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    kind: KVEvent.Kind
+    tier: Tier
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    pool_id: str
+    namespace: str
+    model_id: str
+    group: str
+    tp_rank: int
+    tp_size: int
+    def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., pool_id: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., group: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("sequence", "events", "dropped", "timestamp")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    dropped: int
+    timestamp: float
+    def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., dropped: _Optional[int] = ..., timestamp: _Optional[float] = ...) -> None: ...

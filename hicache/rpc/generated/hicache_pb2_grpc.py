@@ -94,6 +94,11 @@ class HiCacheStub:
                 request_serializer=hicache_dot_v1_dot_hicache__pb2.WatchRequest.SerializeToString,
                 response_deserializer=hicache_dot_v1_dot_hicache__pb2.WatchEvent.FromString,
                 _registered_method=True)
+        self.SubscribeEvents = channel.unary_stream(
+                '/hicache.v1.HiCache/SubscribeEvents',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.SubscribeEventsRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.EventBatch.FromString,
+                _registered_method=True)
 
 
 class HiCacheServicer:
@@ -184,6 +189,16 @@ class HiCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeEvents(self, request, context):
+        """KV events for cache-aware routers: what each pool of a namespace (or of all) holds on host
+        and in storage, as it changes, in batches numbered so that a gap shows. Needs the admin
+        token. A subscriber that falls behind loses events, never slows the sidecar, and is told
+        (EventBatch.dropped): it resubscribes to resync from a fresh snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HiCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -246,6 +261,11 @@ def add_HiCacheServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=hicache_dot_v1_dot_hicache__pb2.WatchRequest.FromString,
                     response_serializer=hicache_dot_v1_dot_hicache__pb2.WatchEvent.SerializeToString,
+            ),
+            'SubscribeEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeEvents,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.SubscribeEventsRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.EventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -572,6 +592,33 @@ class HiCache:
             '/hicache.v1.HiCache/Watch',
             hicache_dot_v1_dot_hicache__pb2.WatchRequest.SerializeToString,
             hicache_dot_v1_dot_hicache__pb2.WatchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hicache.v1.HiCache/SubscribeEvents',
+            hicache_dot_v1_dot_hicache__pb2.SubscribeEventsRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.EventBatch.FromString,
             options,
             channel_credentials,
             insecure,

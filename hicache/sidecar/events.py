@@ -1,0 +1,153 @@
+"""KV events: which keys each pool has on host and in storage, published to subscribers
+(cache-aware routers) as they change.
+
+The data path only appends: publish() takes each matching subscriber's lock for an append
+and returns; it never waits for a subscriber. A subscriber whose queue is full loses the
+event, which still uses up its sequence number, and its next batch says how many were
+lost. Consecutive events of one kind, tier and pool are merged into one (more keys), so a
+burst of offloads is one event per call, not one per key.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from hicache.api import EventBatch, EventKind, EventPool, KVEvent, Tier
+
+MAX_QUEUED_KEYS = 1 << 16  # per subscriber: beyond this, new events are dropped
+
+
+class _Pending:
+    __slots__ = ("seq", "kind", "pool", "tier", "keys")
+
+    def __init__(self, seq: int, kind: EventKind, pool: EventPool, tier: Tier, keys: list[bytes]):
+        self.seq, self.kind, self.pool, self.tier, self.keys = seq, kind, pool, tier, keys
+
+    def frozen(self) -> KVEvent:
+        return KVEvent(self.kind, self.pool, self.tier, tuple(self.keys))
+
+
+class Subscription:
+    """One subscriber's queue. next_batch() blocks for events; close() ends it.
+
+    Once the queue is full, every new event is lost (counted, numbered) until the subscriber
+    has drained the queue; the batch that drains it reports them in `dropped`, so what was
+    lost always comes right after the events delivered."""
+
+    def __init__(self, bus: EventBus, namespace: str | None, max_queued_keys: int):
+        self.namespace = namespace
+        self._bus, self._max = bus, max_queued_keys
+        self._cond = threading.Condition()
+        self._queue: deque[_Pending] = deque()
+        self._queued_keys = 0
+        self._next_seq = 1  # the number of the next event queued or lost
+        self._dropped = 0  # lost since the queue last drained
+        self.dropped_total = 0
+        self.closed = False
+
+    def matches(self, pool: EventPool) -> bool:
+        return self.namespace is None or pool.namespace == self.namespace
+
+    def offer(self, kind: EventKind, pool: EventPool, tier: Tier, keys: list[bytes]) -> None:
+        weight = max(1, len(keys))
+        with self._cond:
+            if self.closed:
+                return
+            if self._dropped or self._queued_keys + weight > self._max:
+                self._dropped += 1
+                self.dropped_total += 1
+                self._next_seq += 1
+                self._cond.notify()
+                return
+            last = self._queue[-1] if self._queue else None
+            if last is not None and keys and (last.kind, last.pool, last.tier) == (kind, pool, tier):
+                last.keys.extend(keys)  # merged into the queued event: no new number
+            else:
+                self._queue.append(_Pending(self._next_seq, kind, pool, tier, list(keys)))
+                self._next_seq += 1
+            self._queued_keys += weight
+            self._cond.notify()
+
+    def next_batch(self, timeout: float | None = None, max_events: int = 256) -> EventBatch | None:
+        """The queued events (at most max_events), waiting up to `timeout` s for one; None
+        on timeout, or once closed with nothing left."""
+        with self._cond:
+            if not self._queue and not self._dropped and not self.closed:
+                self._cond.wait(timeout)
+            if not self._queue and not self._dropped:
+                return None
+            events = [self._queue.popleft() for _ in range(min(max_events, len(self._queue)))]
+            self._queued_keys -= sum(max(1, len(e.keys)) for e in events)
+            dropped = 0
+            if not self._queue:
+                dropped, self._dropped = self._dropped, 0
+            first = events[0].seq if events else self._next_seq - dropped
+            return EventBatch(first, tuple(e.frozen() for e in events), dropped, time.time())
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+        self._bus.unsubscribe(self)
+
+
+class EventBus:
+    """The sidecar's subscribers. Thread-safe; publishing with no subscriber costs one check."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subs: tuple[Subscription, ...] = ()
+
+    def subscribe(self, namespace: str | None = None, max_queued_keys: int = MAX_QUEUED_KEYS) -> Subscription:
+        """Events of pools in `namespace` (None: every namespace) from now on."""
+        sub = Subscription(self, namespace, max_queued_keys)
+        with self._lock:
+            self._subs = (*self._subs, sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs = tuple(s for s in self._subs if s is not sub)
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subs)
+
+    def publish(self, kind: EventKind, pool: EventPool, tier: Tier = Tier.NONE, keys: Iterable[bytes] = ()) -> None:
+        subs = self._subs  # a tuple replaced on change: read without the lock
+        if not subs:
+            return
+        listed = list(keys)
+        if kind in (EventKind.STORED, EventKind.REMOVED) and not listed:
+            return
+        for sub in subs:
+            if sub.matches(pool):
+                sub.offer(kind, pool, tier, listed)
+
+    def close(self) -> None:
+        for sub in self._subs:
+            sub.close()
+
+
+class PoolEvents:
+    """What one pool publishes: the callbacks its host index and storage tier call."""
+
+    def __init__(self, bus: EventBus, pool: EventPool):
+        self.bus, self.pool = bus, pool
+
+    def host(self, change: str, keys: list[bytes]) -> None:
+        """HostIndex observer: change is "stored" or "removed"."""
+        self.bus.publish(EventKind(change), self.pool, Tier.HOST, keys)
+
+    def storage(self, change: str, keys: list[bytes]) -> None:
+        """StorageTier watcher: change is "stored" or "removed"."""
+        self.bus.publish(EventKind(change), self.pool, Tier.STORAGE, keys)
+
+    def registered(self) -> None:
+        self.bus.publish(EventKind.POOL_REGISTERED, self.pool)
+
+    def unregistered(self) -> None:
+        self.bus.publish(EventKind.POOL_UNREGISTERED, self.pool)

@@ -1,0 +1,234 @@
+"""KV events (SubscribeEvents, `hicache events`): a router's view of what is on host agrees
+with Lookup after a random workload; a slow subscriber loses events, is told, and never
+slows the data path; events need the admin token."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sidecar_util import ROOT, filled_device, keys_for, mimo_geometries
+
+from hicache.api import EventBatch, EventKind, EventPool, Tier
+from hicache.cache.config import HiCacheConfig
+from hicache.client import HiCacheClient, HiCacheRpcError
+from hicache.sidecar.config import ServiceConfig
+from hicache.sidecar.events import EventBus
+from server import ServerConfig, create_server
+
+ADMIN = "adm-events"
+POOL = EventPool("pool-1", "ns", "m@1", "full")
+
+
+@pytest.fixture
+def served() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="hc")
+    hierarchy = HiCacheConfig(extra_config={"dir": os.path.join(d, "tier"), "fsync": False}, ratio=1.0)
+    config = ServerConfig(
+        socket=os.path.join(d, "hc.sock"),
+        admin_token=ADMIN,
+        service=ServiceConfig(expected=mimo_geometries(), hierarchy=hierarchy),
+    )
+    srv, address = create_server(config)
+    yield address
+    srv.stop(0)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class View:
+    """What a router builds from the events: per pool, the keys on host."""
+
+    def __init__(self) -> None:
+        self.host: dict[str, set[bytes]] = {}
+        self.storage: dict[str, set[bytes]] = {}
+        self.batches: list[EventBatch] = []
+
+    def apply(self, batch: EventBatch) -> None:
+        if self.batches:
+            last = self.batches[-1]
+            assert batch.sequence == last.sequence + len(last.events) + last.dropped, "a gap nobody reported"
+        else:
+            assert batch.sequence == 1
+        self.batches.append(batch)
+        for e in batch.events:
+            if e.kind is EventKind.POOL_REGISTERED:
+                self.host.setdefault(e.pool.pool_id, set())
+            elif e.kind is EventKind.POOL_UNREGISTERED:
+                self.host.pop(e.pool.pool_id, None)
+            else:
+                tier = self.host if e.tier is Tier.HOST else self.storage
+                keys = tier.setdefault(e.pool.pool_id, set())
+                if e.kind is EventKind.STORED:
+                    keys.update(e.keys)
+                else:
+                    keys.difference_update(e.keys)
+
+
+def follow(address: str, view: View, ready: threading.Event, namespace: str | None = None) -> HiCacheClient:
+    """A subscriber on a thread of its own, applying every batch to `view`; returns its client
+    (closing it ends the stream)."""
+    client = HiCacheClient(address, admin_token=ADMIN, timeout=30)
+
+    def run() -> None:
+        try:
+            for batch in client.events(namespace, duration=60):
+                view.apply(batch)
+                ready.set()
+        except HiCacheRpcError as exc:  # the client was closed under it: the test is over
+            assert exc.code.name == "UNAVAILABLE", exc
+
+    threading.Thread(target=run, daemon=True).start()
+    return client
+
+
+def settle(view: View, until: Any, timeout_s: float = 20.0) -> None:  # until: () -> bool
+    deadline = threading.Event()
+    timer = threading.Timer(timeout_s, deadline.set)
+    timer.start()
+    try:
+        while not until():
+            assert not deadline.wait(0.02), "the events did not arrive"
+    finally:
+        timer.cancel()
+
+
+def test_a_routers_view_of_the_host_equals_lookup_after_a_random_workload(served: str) -> None:
+    engine = HiCacheClient(served, timeout=30)
+    dev = filled_device(8, seed=1)
+    first = engine.register(dev, namespace="tenant-a", model_id="mimo@1")
+    keys = keys_for(40, seed=2)
+    engine.offload(keys[:4], [0, 1, 2, 3], pool=first)  # before the subscriber: reaches it in the snapshot
+    view, ready = View(), threading.Event()
+    watcher = follow(served, view, ready)
+    ready.wait(10)
+    rng = random.Random(5)
+    second = engine.register(filled_device(8, seed=3), namespace="tenant-b", model_id="mimo@1")
+    for _ in range(60):
+        pool = rng.choice([first, second])
+        op = rng.random()
+        chosen = rng.sample(keys, rng.randint(1, 6))
+        if op < 0.5:
+            engine.offload(chosen, rng.sample(range(8), len(chosen)), pool=pool)
+        elif op < 0.7:
+            engine.evict(chosen, pool=pool)
+        elif op < 0.85:
+            engine.evict(num_pages=rng.randint(1, 3), pool=pool)
+        else:
+            engine.reload(chosen, list(range(len(chosen))), pool=pool)
+    third = engine.register(filled_device(8, seed=4), namespace="tenant-c", model_id="mimo@1")
+    engine.offload(keys[:3], [0, 1, 2], pool=third)
+    engine.unregister(third)
+
+    def on_host(pool: Any) -> set[bytes]:
+        looked = engine.lookup(keys, pool=pool)
+        return {k for k, t in zip(keys, looked.tiers, strict=True) if t is Tier.HOST}
+
+    want = {first.pool_id: on_host(first), second.pool_id: on_host(second)}
+    assert want[first.pool_id] and want[second.pool_id], "the workload left nothing on host"
+    settle(view, lambda: view.host == want)
+    assert third.pool_id not in view.host  # unregistered: gone with its keys
+    assert all(b.dropped == 0 for b in view.batches)
+    kinds = {e.kind for b in view.batches for e in b.events}
+    assert {EventKind.STORED, EventKind.REMOVED, EventKind.POOL_REGISTERED, EventKind.POOL_UNREGISTERED} <= kinds
+    settle(view, lambda: bool(view.storage.get(first.pool_id)))  # write-through reached the file tier
+    watcher.close()
+    engine.close()
+
+
+def test_a_namespace_filter_sees_only_that_tenants_pools(served: str) -> None:
+    engine = HiCacheClient(served, timeout=30)
+    mine = engine.register(filled_device(8, seed=1), namespace="tenant-a", model_id="mimo@1")
+    other = engine.register(filled_device(8, seed=2), namespace="tenant-b", model_id="mimo@1")
+    view, ready = View(), threading.Event()
+    watcher = follow(served, view, ready, namespace="tenant-a")
+    ready.wait(10)
+    keys = keys_for(4, seed=3)
+    engine.offload(keys, [0, 1, 2, 3], pool=other)
+    engine.offload(keys[:2], [0, 1], pool=mine)
+    settle(view, lambda: view.host.get(mine.pool_id) == set(keys[:2]))
+    assert set(view.host) == {mine.pool_id}
+    assert {e.pool.namespace for b in view.batches for e in b.events} == {"tenant-a"}
+    watcher.close()
+    engine.close()
+
+
+def test_events_need_the_admin_token(served: str) -> None:
+    for token in (None, "wrong"):
+        with HiCacheClient(served, admin_token=token, timeout=10) as client:
+            with pytest.raises(HiCacheRpcError) as exc:
+                next(iter(client.events(duration=5)))
+            assert exc.value.code.name == "PERMISSION_DENIED" and "KV events" in exc.value.details
+
+
+def test_a_slow_subscriber_loses_events_is_told_and_never_blocks_the_publisher() -> None:
+    bus = EventBus()
+    slow = bus.subscribe(max_queued_keys=10)
+    for i in range(100):  # nobody reads: every publish returns at once
+        bus.publish(EventKind.STORED if i % 2 == 0 else EventKind.REMOVED, POOL, Tier.HOST, [bytes([i])])
+    first = slow.next_batch(timeout=1)
+    assert first is not None and first.sequence == 1
+    assert len(first.events) == 10 and first.dropped == 90 and slow.dropped_total == 90
+    bus.publish(EventKind.STORED, POOL, Tier.HOST, [b"after"])
+    second = slow.next_batch(timeout=1)
+    assert second is not None and second.sequence == 1 + 10 + 90, "lost events use up their numbers"
+    assert second.events[0].keys == (b"after",) and second.dropped == 0
+    assert slow.next_batch(timeout=0.01) is None
+    slow.close()
+    assert bus.subscribers == 0
+
+
+def test_consecutive_changes_of_one_pool_and_tier_are_merged() -> None:
+    bus = EventBus()
+    sub = bus.subscribe()
+    for k in (b"a", b"b", b"c"):
+        bus.publish(EventKind.STORED, POOL, Tier.HOST, [k])
+    bus.publish(EventKind.STORED, POOL, Tier.STORAGE, [b"a"])
+    bus.publish(EventKind.REMOVED, POOL, Tier.HOST, [b"b"])
+    bus.publish(EventKind.STORED, POOL, Tier.HOST, [])  # no keys: nothing to say
+    batch = sub.next_batch(timeout=1)
+    assert batch is not None
+    assert [(e.kind, e.tier, e.keys) for e in batch.events] == [
+        (EventKind.STORED, Tier.HOST, (b"a", b"b", b"c")),
+        (EventKind.STORED, Tier.STORAGE, (b"a",)),
+        (EventKind.REMOVED, Tier.HOST, (b"b",)),
+    ]
+    assert batch.sequence == 1
+
+
+def test_the_events_command_prints_json_lines(served: str) -> None:
+    engine = HiCacheClient(served, timeout=30)
+    pool = engine.register(filled_device(8, seed=1), namespace="tenant-a", model_id="mimo@1")
+    keys = keys_for(2, seed=9)
+    engine.offload(keys, [0, 1], pool=pool)
+    out = subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "events", served, "--duration", "1.5"],
+        cwd=ROOT,
+        env={**os.environ, "HICACHE_ADMIN_TOKEN": ADMIN},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert lines[0]["kind"] == "pool_registered" and lines[0]["pool_id"] == pool.pool_id
+    stored = [x for x in lines if x["kind"] == "stored" and x["tier"] == "host"]
+    assert stored and set(stored[0]["keys"]) == {k.hex() for k in keys}
+    assert [x["seq"] for x in lines] == list(range(1, len(lines) + 1))
+    engine.close()
+    refused = subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "events", served, "--duration", "1", "--admin-token", "nope"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr
