@@ -24,6 +24,7 @@ class Tally:
     device_tokens: int = 0  # served from the engine's own device cache
     host_tokens: int = 0  # reloaded from the sidecar's host pool
     storage_tokens: int = 0  # reloaded after a fetch from the storage tier
+    cross_node_tokens: int = 0  # of storage_tokens, those of pages another node (engine) computed
     computed_tokens: int = 0
     offload_bytes: int = 0  # device -> host
     reload_bytes: int = 0  # host -> device
@@ -103,8 +104,8 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q)) * 1e3 if values else 0.0
 
 
-def summary(tally: Tally, pools: list[PoolStats], elapsed_s: float) -> str:
-    """The final table; `pools` are the sidecar's stats of the demo's pools."""
+def summary(tally: Tally, pools: list[PoolStats], elapsed_s: float, nodes: int = 1) -> str:
+    """The final table; `pools` are the sidecars' stats of the demo's pools."""
     t = tally
     lines = []
     saved = t.device_tokens + t.host_tokens + t.storage_tokens
@@ -112,14 +113,18 @@ def summary(tally: Tally, pools: list[PoolStats], elapsed_s: float) -> str:
     def row(name: str, value: str) -> None:
         lines.append(f"  {name:<34} {value}")
 
-    lines.append(f"hicache demo: {t.requests} requests, {t.tokens} prompt tokens in {elapsed_s:.1f} s")
+    on = f" on {nodes} nodes" if nodes > 1 else ""
+    lines.append(f"hicache demo: {t.requests} requests{on}, {t.tokens} prompt tokens in {elapsed_s:.1f} s")
     lines.append("  tokens served from" + " " * 17 + "tokens      share")
-    for name, n in (
+    served = [
         ("device (engine cache)", t.device_tokens),
         ("host (sidecar pool)", t.host_tokens),
         ("storage tier", t.storage_tokens),
         ("computed (prefill)", t.computed_tokens),
-    ):
+    ]
+    if t.cross_node_tokens or nodes > 1:
+        served.insert(3, ("  of which another node's", t.cross_node_tokens))
+    for name, n in served:
         row(f"  {name}", f"{n:>7}  {100 * n / max(t.tokens, 1):>8.1f}%")
     row("prefill tokens saved", f"{saved} ({100 * saved / max(t.tokens, 1):.1f}%)")
     row("GB device -> host (offload)", f"{t.offload_bytes / 1e9:.3f} in {t.pages_offloaded} pages")
@@ -128,9 +133,8 @@ def summary(tally: Tally, pools: list[PoolStats], elapsed_s: float) -> str:
     backends = {s.storage_backend for s in pools}
     held = sum(tier.bytes for s in pools for tier in s.tiers if tier.tier.value == "storage")
     healthy = all(s.storage_healthy for s in pools)
-    row(
-        "storage backend", f"{'/'.join(sorted(backends))}: {held / 1e9:.3f} GB held, {'healthy' if healthy else 'DOWN'}"
-    )
+    size = f"{held / 1e9:.3f} GB held" if held else "size not tracked" if "redis" in backends else "0.000 GB held"
+    row("storage backend", f"{'/'.join(sorted(backends))}: {size}, {'healthy' if healthy else 'DOWN'}")
     for s in pools:
         row(
             f"transfer GB/s [{s.group}] offload / reload",

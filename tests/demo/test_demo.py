@@ -52,6 +52,32 @@ def test_demo_serves_a_chat_from_every_tier_and_verifies_everything(sockdir, cap
     assert r["device_evictions"] > 0  # more KV than the device pool holds
 
 
+def test_two_nodes_over_a_redis_cluster_share_prefixes(sockdir, capsys):
+    report = os.path.join(sockdir, "report.json")
+    args = ["demo", *SMALL, "--nodes", "2", "--hicache-storage-backend", "redis-cluster", "--report-json", report]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "result: all checks passed" in out and "on 2 nodes" in out and "of which another node's" in out
+    r = json.loads(open(report).read())
+    assert r["nodes"] == 2 and r["failures"] == []
+    # every later turn runs on the other node: its prefix comes from storage, computed by the first
+    assert r["cross_node_tokens"] > 0 and r["cross_node_tokens"] <= r["storage_tokens"]
+    assert r["pages_verified"] == r["pages_reloaded"] and r["recompute_mismatches"] == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--nodes", "2"], "needs a storage backend the nodes share (redis or redis-cluster), got 'file'"),
+        (["--nodes", "0"], "--nodes must be an int >= 1, got 0"),
+        (["--nodes", "2", "--sidecar", "/tmp/a.sock"], "needs 2 comma-separated --sidecar targets"),
+    ],
+)
+def test_bad_node_flags_are_one_line_errors(flags, message, capsys):
+    assert main(["demo", *SMALL, *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 def mimo_small() -> dict:
     return truncate_layers(load_config(None), 6)
 
