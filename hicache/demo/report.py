@@ -42,6 +42,7 @@ class Tally:
     attention_checked: int = 0  # one per (request, layer)
     attention_mismatches: int = 0
     rpc_s: dict[str, list[float]] = field(default_factory=dict)
+    require_cross_node: bool = False  # fail unless some prompt tokens came from another node's pages
 
     def timed(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs), its wall time recorded under `name`."""
@@ -59,6 +60,8 @@ class Tally:
             out.append(f"{self.recompute_mismatches} pages differ from a recomputation")
         if self.attention_mismatches:
             out.append(f"{self.attention_mismatches} attention outputs differ from a recomputation")
+        if self.require_cross_node and not self.cross_node_tokens:
+            out.append("no prompt token came from a page another node stored (--require-cross-node-hits)")
 
         return out
 

@@ -81,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--token", default=os.environ.get("HICACHE_TOKEN"), help="the sidecar's token (default $HICACHE_TOKEN)"
     )
     s.add_argument("--namespace", default="", help="key namespace (default: a fresh one per run)")
+    s.add_argument(
+        "--require-cross-node-hits",
+        action="store_true",
+        help="fail unless some prompt tokens came from pages another engine stored (a second node)",
+    )
     s.add_argument("--report-json", default=None, help="also write the counters to this JSON file")
 
 
@@ -231,7 +236,7 @@ def _run_engines(
     cache would send them, so its prefix must come over the shared storage tier."""
     namespace = args.namespace or f"demo-{secrets.token_hex(4)}"
     requests = workload.requests()
-    tally = Tally()
+    tally = Tally(require_cross_node=args.require_cross_node_hits)
     ledger: dict[tuple[str, bytes], bytes] = {}
     nodes: list[_Node] = []
     try:

@@ -10,6 +10,11 @@ What stands in for the containers:
   WORKDIR, where the Dockerfile copies the repository) is the repository root.
 - Network: every port a service exposes gets a free loopback port; "service:port" and the
   service's own "--port N" / "=N" become it.
+- Profiles: as `docker compose --profile P`, a service with `profiles` runs only when one of
+  them is given.
+- A service marked `x-local: redis-cluster` (a cluster of redis-server nodes in one container)
+  runs as hicache.demo.redis_cluster.LocalRedisCluster: the same redis-server nodes and
+  `redis-cli --cluster create`, on the loopback ports its exposed ports map to.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hicache.demo.redis_cluster import LocalRedisCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = {"hicache-server": [sys.executable, "-m", "server"], "hicache": [sys.executable, "-m", "hicache.cli"]}
@@ -69,22 +76,37 @@ class Service:
     paths: dict[str, str] = field(default_factory=dict)  # container path -> local path
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
+    cluster: LocalRedisCluster | None = None  # an x-local: redis-cluster service
 
 
 class LocalCompose:
     """Start services in dependency order (waiting on healthchecks as depends_on says), then
     wait for the first to exit, stop the rest, and return that exit status."""
 
-    def __init__(self, compose: dict[str, Any], image: dict[str, Any], workdir: Path):
+    def __init__(self, compose: dict[str, Any], image: dict[str, Any], workdir: Path, profiles: tuple[str, ...] = ()):
         self.compose, self.image, self.workdir = compose, image, workdir
         self.paths: dict[str, str] = {image["workdir"]: str(ROOT)}
         for vol in compose.get("volumes") or {}:
             self.paths[f"volume:{vol}"] = tempfile.mkdtemp(prefix=f"{vol}-", dir=workdir)
+        specs = {
+            name: spec
+            for name, spec in compose["services"].items()
+            if not spec.get("profiles") or set(spec["profiles"]) & set(profiles)
+        }
         self.ports: dict[tuple[str, str], int] = {}
-        for name, spec in compose["services"].items():
-            for entry in [*(spec.get("expose") or []), *(spec.get("ports") or [])]:
-                self.ports[(name, str(entry).rsplit(":", 1)[-1])] = _free_port()
-        self.services = {name: self._service(name, spec) for name, spec in compose["services"].items()}
+        clusters = {}
+        for name, spec in specs.items():
+            exposed = [str(e).rsplit(":", 1)[-1] for e in [*(spec.get("expose") or []), *(spec.get("ports") or [])]]
+            if spec.get("x-local") == "redis-cluster":
+                clusters[name] = LocalRedisCluster(workdir / name)
+                assert len(exposed) == len(clusters[name].nodes), f"{name}: one exposed port per node"
+                local_ports = [n.port for n in clusters[name].nodes]
+            else:
+                local_ports = [_free_port() for _ in exposed]
+            self.ports.update({(name, port): local for port, local in zip(exposed, local_ports, strict=True)})
+        self.services = {name: self._service(name, spec) for name, spec in specs.items()}
+        for name, cluster in clusters.items():
+            self.services[name].cluster = cluster
 
     # ---- translating one service ---------------------------------------------------------------
     def _service(self, name: str, spec: dict[str, Any]) -> Service:
@@ -137,6 +159,9 @@ class LocalCompose:
 
     def start(self, name: str) -> None:
         s = self.services[name]
+        if s.cluster is not None:
+            s.cluster.start()
+            return
         s.log = self.workdir / f"{name}.log"
         env = {**os.environ, **s.env, "PYTHONPATH": str(ROOT)}
         with open(s.log, "wb") as log:
@@ -144,6 +169,8 @@ class LocalCompose:
 
     def healthy(self, name: str) -> bool:
         s = self.services[name]
+        if s.cluster is not None:
+            return True  # start() returned once every slot was served and every replica in sync
         test = _listify((s.spec.get("healthcheck") or {}).get("test"))
         if not test:
             raise ValueError(f"service {name} has no healthcheck but a dependant waits for service_healthy")
@@ -157,6 +184,8 @@ class LocalCompose:
 
     def wait_for(self, dep: str, condition: str, timeout: float) -> None:
         s = self.services[dep]
+        if s.cluster is not None:
+            return
         assert s.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -190,6 +219,30 @@ class LocalCompose:
         finally:
             self.down()
 
+    def run(self, name: str, timeout: float = 300.0) -> int:
+        """Like `docker compose run NAME`: start what NAME depends on (waiting as depends_on
+        says), then NAME; its exit status once it exits."""
+        needed: set[str] = set()
+
+        def need(service: str) -> None:
+            if service not in needed:
+                needed.add(service)
+                for dep in self.services[service].spec.get("depends_on") or {}:
+                    need(dep)
+
+        need(name)
+        try:
+            for service in (s for s in self.order() if s in needed):
+                deps = self.services[service].spec.get("depends_on") or {}
+                for dep, cond in deps.items() if isinstance(deps, dict) else ((d, {}) for d in deps):
+                    self.wait_for(dep, (cond or {}).get("condition", "service_started"), timeout)
+                self.start(service)
+            proc = self.services[name].proc
+            assert proc is not None
+            return proc.wait(timeout)
+        finally:
+            self.down()
+
     def down(self, grace: float = 30.0) -> None:
         for s in reversed(list(self.services.values())):
             if s.proc is not None and s.proc.poll() is None:
@@ -199,6 +252,9 @@ class LocalCompose:
                 except subprocess.TimeoutExpired:
                     s.proc.kill()
                     s.proc.wait()
+        for s in self.services.values():
+            if s.cluster is not None:
+                s.cluster.stop()
 
     def tail(self, name: str, lines: int = 40) -> str:
         log = self.services[name].log

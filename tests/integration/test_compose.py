@@ -112,6 +112,45 @@ def test_compose_runs_as_local_processes_and_the_engine_passes():
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def test_the_cluster_profile_declares_two_nodes_over_one_cluster(tmp_path: Path) -> None:
+    compose, image = load()
+    s = compose["services"]
+    cluster = {n for n, spec in s.items() if "cluster" in (spec.get("profiles") or [])}
+    assert cluster == {"redis-cluster", "hicache-a", "hicache-b", "engine-a", "engine-b"}
+    assert not any(spec.get("profiles") for n, spec in s.items() if n not in cluster)  # the default run is unchanged
+    assert s["hicache-a"]["volumes"] != s["hicache-b"]["volumes"]  # own sockets, own host pools
+    assert s["engine-b"]["depends_on"]["engine-a"]["condition"] == "service_completed_successfully"
+    assert "--require-cross-node-hits" in s["engine-b"]["command"]
+    local = LocalCompose(compose, image, tmp_path, profiles=("cluster",))
+    assert "redis-cluster" in local.services and local.order()[-1] == "engine-b"
+    for node in ("hicache-a", "hicache-b"):
+        hc = local.services[node]
+        config, _ = parse_args(hc.argv[3:], hc.env)
+        h = config.service.hierarchy
+        assert h.storage_backend == "redis-cluster"
+        assert h.storage_extra["url"] == f"redis://127.0.0.1:{local.ports[('redis-cluster', '7000')]}"
+    ports = [local.ports[("redis-cluster", str(p))] for p in range(7000, 7006)]
+    cluster_nodes = local.services["redis-cluster"].cluster
+    assert cluster_nodes is not None and ports == [n.port for n in cluster_nodes.nodes]
+
+
+def test_the_cluster_profile_runs_as_local_processes_and_node_b_hits_node_as_pages():
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    compose, image = load()
+    workdir = Path(tempfile.mkdtemp(prefix="hc"))
+    try:
+        local = LocalCompose(compose, image, workdir, profiles=("cluster",))
+        rc = local.run("engine-b", timeout=300)
+        out = local.tail("engine-b", 60)
+        assert rc == 0, f"engine-b exited {rc}\n{out}\n--- engine-a:\n{local.tail('engine-a')}"
+        assert "result: all checks passed" in local.tail("engine-a", 60) and "result: all checks passed" in out
+        cross = next(line for line in out.splitlines() if "of which another node's" in line)
+        assert int(cross.split()[-2]) > 0, out
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def _docker_ready() -> bool:
     if shutil.which("docker") is None:
         return False
