@@ -6,12 +6,17 @@
   per batch, as batch_get must (its cost is mostly page faults on fresh memory).
 - redis tier: pages/s and GB/s against a raw redis-py pipeline SET / GET of the same
   values (header included), same batch size, same server.
+- redis-cluster tier: the same against a raw redis-py RedisCluster pipeline, on a local
+  3-master, 3-replica cluster (or --redis-cluster-url).
 - HostIndex: memory per key (tracemalloc) and time per allocate+bind at growing key
   counts, to show the per-key cost does not grow.
 
-    python benchmarks/tiers.py [--pages 256] [--dir /tmp] [--redis-url URL] [--json]
+    python benchmarks/tiers.py [--backend all|file|redis|redis-cluster] [--pages 256] [--dir /tmp]
+                               [--redis-url URL] [--redis-cluster-url URL] [--json]
 
-Without --redis-url it starts a private redis-server on a unix socket (skipped if absent).
+Without --redis-url it starts a private redis-server on a unix socket, and without
+--redis-cluster-url a local cluster (each skipped if redis-server is absent). "all" (the
+default) runs file and redis; redis-cluster runs only when asked for.
 """
 
 from __future__ import annotations
@@ -109,13 +114,16 @@ def bench_file(g: KVGeometry, items: list[tuple[bytes, bytes]], folder: Path, fs
     }
 
 
-def bench_redis(g: KVGeometry, items: list[tuple[bytes, bytes]], url: str) -> dict[str, Any]:
+def bench_redis(g: KVGeometry, items: list[tuple[bytes, bytes]], url: str, cluster: bool = False) -> dict[str, Any]:
     import redis
+    from redis.cluster import RedisCluster
 
     ident = TierIdentity.for_geometry(g, "bench@0")
-    tier = RedisTier(ident, url, timeout_s=30)
-    raw = redis.Redis.from_url(url, socket_timeout=30)
-    raw.flushdb()
+    tier = RedisTier(ident, url, cluster=cluster, timeout_s=30)
+    raw: Any = (
+        RedisCluster.from_url(url, socket_timeout=30) if cluster else redis.Redis.from_url(url, socket_timeout=30)
+    )
+    raw.flushall()
     values = [(b"raw:" + k, fmt.encode_page(ident, k, d)) for k, d in items]
     nbytes, n = len(items) * g.page_bytes, len(items)
 
@@ -144,7 +152,8 @@ def bench_redis(g: KVGeometry, items: list[tuple[bytes, bytes]], url: str) -> di
 
     rs, ts = timed(raw_set), timed(tier_set)
     rg, tg = timed(raw_get), timed(tier_get)
-    raw.flushdb()
+    raw.flushall()
+    raw.close()
     tier.close()
     return {
         "pages": n,
@@ -215,50 +224,74 @@ def start_redis(tmp: str) -> tuple[subprocess.Popen[bytes], str] | None:
     return proc, f"unix://{sock}"
 
 
+def bench_cluster(g: KVGeometry, items: list[tuple[bytes, bytes]], url: str) -> dict[str, Any] | str:
+    """bench_redis on a cluster: the one at `url`, else a local 3+3 cluster started here."""
+    if url:
+        return bench_redis(g, items, url, cluster=True)
+    from hicache.demo.redis_cluster import LocalRedisCluster
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            cluster = LocalRedisCluster(tmp)
+        except FileNotFoundError as exc:
+            return f"skipped: {exc}"
+        with cluster:
+            return bench_redis(g, items, cluster.url, cluster=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pages", type=int, default=256)
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="folder for the file tier and the plain file")
+    ap.add_argument("--backend", default="all", choices=["all", "file", "redis", "redis-cluster"])
     ap.add_argument("--redis-url", default="")
+    ap.add_argument("--redis-cluster-url", default="", help="a node of a running cluster (default: start one)")
     ap.add_argument("--index-keys", default="100000,1000000", help="comma-separated key counts")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     g = geometry()
     items = pages_of(g, args.pages)
     result: dict[str, Any] = {"geometry": g.to_dict(), "batch": BATCH}
-    result["file"] = [bench_file(g, items, Path(args.dir), fsync) for fsync in (False, True)]
-    with tempfile.TemporaryDirectory() as tmp:
-        server = None if args.redis_url else start_redis(tmp)
-        url = args.redis_url or (server[1] if server else "")
-        try:
-            result["redis"] = bench_redis(g, items[: min(len(items), 128)], url) if url else "skipped: no redis-server"
-        finally:
-            if server:
-                server[0].terminate()
-                server[0].wait()
-    result["index"] = bench_index([int(x) for x in args.index_keys.split(",")])
+    wanted = {"all": ("file", "redis", "index"), "file": ("file", "index")}.get(args.backend, (args.backend,))
+    if "file" in wanted:
+        result["file"] = [bench_file(g, items, Path(args.dir), fsync) for fsync in (False, True)]
+    if "redis" in wanted:
+        with tempfile.TemporaryDirectory() as tmp:
+            server = None if args.redis_url else start_redis(tmp)
+            url = args.redis_url or (server[1] if server else "")
+            try:
+                result["redis"] = bench_redis(g, items[:128], url) if url else "skipped: no redis-server"
+            finally:
+                if server:
+                    server[0].terminate()
+                    server[0].wait()
+    if "redis-cluster" in wanted:
+        result["redis_cluster"] = bench_cluster(g, items[:128], args.redis_cluster_url)
+    if "index" in wanted:
+        result["index"] = bench_index([int(x) for x in args.index_keys.split(",")])
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()
         return
     print(f"page {g.page_bytes / 1e6:.2f} MB (MiMo-V2-Flash full, bf16, 64 tokens), batches of {BATCH}")
-    for r in result["file"]:
+    for r in result.get("file", []):
         print(
             f"file tier fsync={r['fsync']!s:5}: write {r['tier_write_GBps']:.2f} GB/s vs plain "
             f"{r['plain_write_GBps']:.2f} (ratio {r['write_ratio']:.2f}); read {r['tier_read_GBps']:.2f} "
             f"vs {r['plain_read_GBps']:.2f} (ratio {r['read_ratio']:.2f}; vs {r['plain_read_kept_GBps']:.2f} "
             f"into kept buffers, ratio {r['read_ratio_kept']:.2f})"
         )
-    r = result["redis"]
-    if isinstance(r, dict):
-        print(
-            f"redis tier: set {r['tier_set_pages_per_s']:.0f} pages/s {r['tier_set_GBps']:.2f} GB/s vs raw "
-            f"{r['raw_set_GBps']:.2f} (ratio {r['set_ratio']:.2f}); get {r['tier_get_pages_per_s']:.0f} pages/s "
-            f"{r['tier_get_GBps']:.2f} GB/s vs raw {r['raw_get_GBps']:.2f} (ratio {r['get_ratio']:.2f})"
-        )
-    else:
-        print(f"redis tier: {r}")
-    for r in result["index"]:
+    for name, label in (("redis", "redis tier"), ("redis_cluster", "redis-cluster tier (3+3 nodes)")):
+        r = result.get(name)
+        if isinstance(r, dict):
+            print(
+                f"{label}: set {r['tier_set_pages_per_s']:.0f} pages/s {r['tier_set_GBps']:.2f} GB/s vs raw "
+                f"{r['raw_set_GBps']:.2f} (ratio {r['set_ratio']:.2f}); get {r['tier_get_pages_per_s']:.0f} pages/s "
+                f"{r['tier_get_GBps']:.2f} GB/s vs raw {r['raw_get_GBps']:.2f} (ratio {r['get_ratio']:.2f})"
+            )
+        elif r is not None:
+            print(f"{label}: {r}")
+    for r in result.get("index", []):
         print(
             f"HostIndex {r['keys']:>9,} keys: {r['bytes_per_key']:.0f} B/key, allocate+bind "
             f"{r['allocate_bind_us_per_key']:.2f} us/key, touch {r['touch_us']:.2f} us, "

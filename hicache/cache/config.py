@@ -7,7 +7,8 @@
         redis: {"url", "timeout_s", "ttl_s", "backoff_initial_s", "backoff_max_s"}; any
         backend: {"prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s",
         "prefetch_timeout_max_s"} for the timeout policy
-    --hicache-size GB    host pool size in GB (0: use --hicache-ratio)
+    --hicache-size GB    host memory of the whole sidecar in GB, shared by its pools
+                         (hicache.sidecar.host_budget); 0: size each pool by --hicache-ratio
     --hicache-ratio R    host pool pages = R x device pool pages
 
 add_arguments(parser) adds them to any argparse parser; from_args(namespace) reads them.
@@ -145,7 +146,12 @@ class HiCacheConfig:
         g.add_argument(
             "--hicache-storage-backend-extra-config", default="", help="a JSON object; see hicache.cache.config"
         )
-        g.add_argument("--hicache-size", type=float, default=d.size_gb, help="host pool GB (0: use --hicache-ratio)")
+        g.add_argument(
+            "--hicache-size",
+            type=float,
+            default=d.size_gb,
+            help="host memory GB of the whole sidecar, split among its pools (0: each pool by --hicache-ratio)",
+        )
         g.add_argument("--hicache-ratio", type=float, default=d.ratio, help="host pages per device page")
 
     @classmethod
@@ -161,7 +167,8 @@ class HiCacheConfig:
 
     # ---- building ---------------------------------------------------------------------------
     def host_pages(self, geometry: KVGeometry, device_pages: int) -> int:
-        """Host pool pages: size_gb of pages if set, else ratio x device_pages (at least 1)."""
+        """Host pool pages of a pool alone: size_gb of pages if set, else ratio x
+        device_pages (at least 1). A sidecar splits size_gb among its pools (host_budget)."""
         if self.size_gb > 0:
             return max(1, int(self.size_gb * 1e9) // geometry.page_bytes)
         return max(1, int(self.ratio * device_pages))

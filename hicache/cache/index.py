@@ -36,7 +36,10 @@ class HostIndex:
         if not is_int(num_pages) or num_pages < 1:
             raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
         self.num_pages = num_pages
+        self.limit = num_pages  # pages [0, limit) are usable (resize); above it they retire once free
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low pages first
+        self._retired: set[int] = set()  # pages >= limit that hold nothing
+        self._retired_new: list[int] = []  # retired since take_retired()
         self._reserved: set[int] = set()
         self._entries: dict[bytes, _Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # evictable keys, oldest first
@@ -99,7 +102,7 @@ class HostIndex:
         while len(self._free) < n:
             key, _ = self._lru.popitem(last=False)
             page = self._entries.pop(key).page
-            self._free.append(page)
+            self._free.append(page)  # evictable pages are all below the limit
             evicted.append((key, page))
         self.evictions += len(evicted)
         if evicted and self.observer is not None:
@@ -130,7 +133,7 @@ class HostIndex:
                 raise ValueError(f"page {page} is not reserved")
         for page in pages:
             self._reserved.remove(page)
-            self._free.append(page)
+            self._give_back(page)
 
     def remove(self, key: bytes) -> int:
         """Drop `key` and free its page. Raises KeyError if absent, ValueError if pinned or
@@ -140,7 +143,7 @@ class HostIndex:
             raise ValueError(f"key {key.hex()} is pinned ({entry.pins}) or referenced ({entry.refs})")
         del self._entries[key]
         del self._lru[key]
-        self._free.append(entry.page)
+        self._give_back(entry.page)
         if self.observer is not None:
             self.observer("removed", [key])
         return entry.page
@@ -151,7 +154,7 @@ class HostIndex:
         while len(out) < n and self._lru:
             key, _ = self._lru.popitem(last=False)
             page = self._entries.pop(key).page
-            self._free.append(page)
+            self._give_back(page)
             out.append((key, page))
         self.evictions += len(out)
         if out and self.observer is not None:
@@ -193,7 +196,55 @@ class HostIndex:
 
     def _maybe_evictable(self, key: bytes, entry: _Entry) -> None:
         if entry.pins == 0 and entry.refs == 0:
+            if entry.page >= self.limit:  # above a shrunken limit: dropped, not kept
+                del self._entries[key]
+                self._give_back(entry.page)
+                if self.observer is not None:
+                    self.observer("removed", [key])
+                return
             self._lru[key] = None  # most recently used
+
+    def _give_back(self, page: int) -> None:
+        if page < self.limit:
+            self._free.append(page)
+        else:
+            self._retired.add(page)
+            self._retired_new.append(page)
+
+    # ---- resizing -----------------------------------------------------------------------------
+    def resize(self, limit: int) -> list[tuple[bytes, int]]:
+        """Use pages [0, limit) only. Shrinking evicts the evictable keys above the limit
+        (returned, as evict() does) and retires the free pages there; a pinned, referenced or
+        reserved page above it retires when released (its key is then dropped). Growing
+        brings retired pages below the new limit back. Raises ValueError for a limit
+        outside [1, num_pages]."""
+        if not is_int(limit) or not 1 <= limit <= self.num_pages:
+            raise ValueError(f"limit must be an int in [1, {self.num_pages}], got {limit!r}")
+        old, self.limit = self.limit, limit
+        if limit >= old:
+            back = sorted((p for p in self._retired if p < limit), reverse=True)
+            self._retired.difference_update(back)
+            self._free = back + self._free  # pop() takes low pages first: the old ones stay first
+            return []
+        keep = [p for p in self._free if p < limit]
+        for page in self._free:
+            if page >= limit:
+                self._give_back(page)
+        self._free = keep
+        evicted = [(k, e.page) for k, e in self._entries.items() if e.page >= limit and k in self._lru]
+        for key, page in evicted:
+            del self._lru[key]
+            del self._entries[key]
+            self._give_back(page)
+        self.evictions += len(evicted)
+        if evicted and self.observer is not None:
+            self.observer("removed", [k for k, _ in evicted])
+        return evicted
+
+    def take_retired(self) -> list[int]:
+        """Pages that retired since the last call (their memory can be released)."""
+        out, self._retired_new = self._retired_new, []
+        return out
 
     def _entry(self, key: bytes) -> _Entry:
         entry = self._entries.get(key)
@@ -206,9 +257,11 @@ class HostIndex:
     def check_integrity(self) -> None:
         """Assert free + reserved + bound == total, and that index and pages agree."""
         bound = [e.page for e in self._entries.values()]
-        assert len(self._free) + len(self._reserved) + len(bound) == self.num_pages
-        every = set(self._free) | self._reserved | set(bound)
+        assert len(self._free) + len(self._reserved) + len(bound) + len(self._retired) == self.num_pages
+        every = set(self._free) | self._reserved | set(bound) | self._retired
         assert every == set(range(self.num_pages)), "a page is lost or held twice"
+        assert all(p < self.limit for p in self._free) and all(p >= self.limit for p in self._retired)
+        assert all(self._entries[k].page < self.limit for k in self._lru), "an evictable page above the limit"
         for key, entry in self._entries.items():
             assert entry.pins >= 0 and entry.refs >= 0
             assert (key in self._lru) == (entry.pins == 0 and entry.refs == 0), key.hex()

@@ -240,6 +240,20 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         self._submit(jobs)
         return len(evicted)
 
+    def resize_host(self, pages: int) -> list[int]:
+        """Use host pages [0, pages) only (a shared host budget moved). Shrinking evicts what
+        lies above (write_back stores it first); returns the pages above the line that hold
+        nothing now, whose memory the caller may give back. A caller that grows commits the
+        memory of the pages that come back first. Calls must not overlap (the sidecar
+        rebalances under one lock). Raises ValueError for pages outside [1, the pool's pages]."""
+        with self._lock:
+            evicted = self.index.resize(pages)
+            backups = self._evicted_locked(evicted)
+            jobs = self._read_evicted(backups)  # before the caller gives the memory back
+            retired = [p for p in self.index.take_retired() if p >= self.index.limit]
+        self._submit(jobs)
+        return retired
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued storage writes; False if `timeout` seconds pass first."""
         return self._writer.flush(timeout)
@@ -252,7 +266,7 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         with self._lock:
             used = len(self.index)
             out: dict[str, Any] = {
-                "host_pages": self.index.num_pages,
+                "host_pages": self.index.limit,
                 "host_used_pages": used,
                 "host_free_pages": self.index.free_pages,
                 "host_bytes": used * self.geometry.page_bytes,

@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("sizes and the sidecar")
     s.add_argument("--device-pages", type=int, default=0, help="engine pool pages (0: the longest request + 2)")
     s.add_argument("--hicache-ratio", type=float, default=2.0, help="host pages per device page")
-    s.add_argument("--hicache-size", type=float, default=0.0, help="host pool GB per group (0: use the ratio)")
+    s.add_argument(
+        "--hicache-size", type=float, default=0.0, help="host GB of each sidecar, split among its pools (0: the ratio)"
+    )
     s.add_argument("--hicache-mem-layout", default="layer_first")
     s.add_argument("--hicache-storage-backend", default="file", help="file, redis, redis-cluster or none")
     s.add_argument(

@@ -22,7 +22,15 @@ from hicache.memory.cuda import (
 )
 from hicache.memory.fd import FdStore, fd_socket_path, map_fds, segment_offsets, send_fds, serve_fds
 from hicache.memory.maps import MappedFile, shared_file_of
-from hicache.memory.shm import SHM_PREFIX, create_shm, open_shm, shm_dir, sweep_dead_segments
+from hicache.memory.shm import (
+    SHM_PREFIX,
+    commit_shm,
+    create_shm,
+    open_shm,
+    release_shm,
+    shm_dir,
+    sweep_dead_segments,
+)
 
 __all__ = [
     "SHM_PREFIX",
@@ -34,7 +42,9 @@ __all__ = [
     "SharedBuffer",
     "ShmKind",
     "alloc_device",
+    "commit_shm",
     "create_shm",
+    "release_shm",
     "cuda_available",
     "cuda_device_count",
     "fd_socket_path",

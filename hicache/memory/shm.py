@@ -17,6 +17,7 @@ import signal
 import stat
 import tempfile
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -32,11 +33,14 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def create_shm(nbytes: int) -> SharedBuffer:
+def create_shm(nbytes: int, committed: Sequence[tuple[int, int]] | None = None) -> SharedBuffer:
     """Create a new shared-memory segment, mode 0600 (whatever the umask), with an
     unpredictable name (96 random bits), unlinked on close, at exit, and on a SIGTERM the
-    process does not handle itself (see _unlink_on_sigterm)."""
+    process does not handle itself (see _unlink_on_sigterm). Its memory is allocated (and
+    faulted in) now: all of it, or only the `committed` (offset, length) ranges, the rest
+    left sparse until commit_shm."""
     check_nbytes(nbytes)
+    spans = [(0, nbytes)] if committed is None else list(committed)
     ns, pid, start = _owner()
     name = f"{SHM_PREFIX}{ns}-{pid}-{start}-{secrets.token_hex(12)}"
     path = os.path.join(shm_dir(), name)
@@ -44,7 +48,8 @@ def create_shm(nbytes: int) -> SharedBuffer:
     try:
         os.fchmod(fd, 0o600)  # exactly owner read/write, whatever the umask
         os.ftruncate(fd, nbytes)
-        _reserve(fd, nbytes)
+        for offset, length in spans:
+            _reserve(fd, length, offset)
     except BaseException:
         os.close(fd)
         _unlink(path)
@@ -54,7 +59,8 @@ def create_shm(nbytes: int) -> SharedBuffer:
     _unlink_on_sigterm()
     try:
         tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        tensor.zero_()  # fault every page in now, not on the first transfer
+        for offset, length in spans:
+            tensor[offset : offset + length].zero_()  # fault the pages in now, not on the first transfer
     except BaseException:
         _release_segment(path)
         raise
@@ -107,12 +113,40 @@ def sweep_dead_segments() -> list[str]:
     return removed
 
 
-def _reserve(fd: int, nbytes: int) -> None:
+def commit_shm(name: str, spans: Sequence[tuple[int, int]]) -> None:
+    """Allocate the (offset, length) ranges of this process's segment `name` (as create_shm
+    does). Raises OSError ENOSPC when they do not fit."""
+    fd = os.open(os.path.join(shm_dir(), name), os.O_RDWR)
+    try:
+        for offset, length in spans:
+            _reserve(fd, length, offset)
+    finally:
+        os.close(fd)
+
+
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+def release_shm(name: str, spans: Sequence[tuple[int, int]]) -> bool:
+    """Give the memory of the (offset, length) ranges of segment `name` back to the system
+    (they read as zeros after). False where the file system cannot (the bytes stay)."""
+    import ctypes
+
+    fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+    fd = os.open(os.path.join(shm_dir(), name), os.O_RDWR)
+    try:
+        return all(fallocate(fd, _PUNCH_HOLE, offset, length) == 0 for offset, length in spans)
+    finally:
+        os.close(fd)
+
+
+def _reserve(fd: int, nbytes: int, offset: int = 0) -> None:
     """Allocate the segment's pages now, so that a full tmpfs fails here with OSError ENOSPC
     instead of a SIGBUS when a page is first touched (Docker's default /dev/shm is 64 MiB).
     A file system without fallocate is left to the zeroing that follows."""
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(fd, offset, nbytes)
     except OSError as exc:
         if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             return

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hicache.geometry import KVGeometry
-from hicache.memory import MemoryHandle, SharedBuffer, create_shm, open_shm, pin_host
+from hicache.memory import (
+    MemoryHandle,
+    SharedBuffer,
+    commit_shm,
+    create_shm,
+    cuda_available,
+    open_shm,
+    pin_host,
+    release_shm,
+)
 from hicache.pools.flat import FlatPool
 from hicache.pools.layouts import make_layout
 
@@ -26,10 +37,20 @@ class HostKVPool(FlatPool):
         layout: str = "layer_first",
         *,
         memory: SharedBuffer | None = None,
+        committed_pages: int | None = None,
     ):
+        """committed_pages: allocate only pages [0, committed_pages) now (a pool under a
+        shared host budget; commit_pages and release_pages move the line)."""
         lay = make_layout(layout, geometry, num_pages)
-        super().__init__(geometry, lay, memory if memory is not None else create_shm(lay.nbytes))
-        self.pinned = memory is None and pin_host(self.memory)
+        if memory is None:
+            # pinned memory (CUDA) is locked whole: there a budget moves the usable line only
+            sparse = committed_pages is not None and not cuda_available()
+            spans = lay.page_spans(range(committed_pages)) if sparse and committed_pages is not None else None
+            memory = create_shm(lay.nbytes, spans)
+            self.pinned = pin_host(memory)
+        else:
+            self.pinned = False
+        super().__init__(geometry, lay, memory)
 
     @classmethod
     def attach(cls, geometry: KVGeometry, num_pages: int, layout: str, handle: MemoryHandle) -> HostKVPool:
@@ -41,3 +62,14 @@ class HostKVPool(FlatPool):
     @property
     def layout_name(self) -> str:
         return self.layout.name
+
+    def commit_pages(self, first: int, end: int) -> None:
+        """Allocate the memory of pages [first, end). Raises OSError ENOSPC if it does not fit."""
+        commit_shm(self.handle.name, self.layout.page_spans(range(first, end)))
+
+    def release_pages(self, pages: Sequence[int]) -> bool:
+        """Give the memory of `pages` (which must hold nothing) back; they read as zeros after.
+        False where it cannot be (pinned for CUDA, or a file system without hole punching)."""
+        if not pages or self.pinned:
+            return False
+        return release_shm(self.handle.name, self.layout.page_spans(pages))

@@ -21,8 +21,11 @@ reads these strides; none probes tensor shapes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
 
 from hicache.geometry import BufferSpec, KVGeometry
 
@@ -66,6 +69,27 @@ class Layout:
 
     def _strides(self, index: int, buffer: BufferSpec) -> ChunkStrides:
         raise NotImplementedError
+
+    def page_spans(self, pages: Sequence[int]) -> list[tuple[int, int]]:
+        """The (offset, length) byte ranges that hold `pages` (every layer and buffer), sorted
+        and merged: what a host pool commits or releases when its usable pages change."""
+        pages_arr = np.asarray(sorted(set(pages)), dtype=np.int64)
+        if pages_arr.size == 0:
+            return []
+        layers = np.arange(self.geometry.layer_num, dtype=np.int64)
+        starts, ends = [], []
+        for s in self.strides:
+            chunk = (self.geometry.page_size - 1) * s.token_stride + s.row_bytes
+            first = (s.base + pages_arr[:, None] * s.page_stride + layers[None, :] * s.layer_stride).ravel()
+            starts.append(first)
+            ends.append(first + chunk)
+        start, end = np.concatenate(starts), np.concatenate(ends)
+        order = np.argsort(start, kind="stable")
+        start, end = start[order], np.maximum.accumulate(end[order])
+        breaks = np.flatnonzero(start[1:] > end[:-1]) + 1  # a gap before these
+        lo = start[np.concatenate(([0], breaks))]
+        hi = end[np.concatenate((breaks - 1, [len(end) - 1]))]
+        return [(int(a), int(b - a)) for a, b in zip(lo, hi, strict=True)]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_pages={self.num_pages})"

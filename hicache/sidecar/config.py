@@ -19,7 +19,8 @@ class ServiceConfig:
 
     expected: the geometry per group ("full", "swa") the sidecar accepts, derived from the
     model config; None accepts any valid geometry. Host pool pages per registered pool:
-    see HiCacheConfig.host_pages (SGLang's --hicache-size / --hicache-ratio). `hierarchy`
+    ratio x device pages, or with hierarchy.size_gb a share of that budget for the whole
+    sidecar (hicache.sidecar.host_budget). `hierarchy`
     also names the storage tier and the write and prefetch policies; the default here is
     host memory only (backend "none"), the server's default is the file tier.
     """

@@ -40,6 +40,7 @@ from hicache.sidecar.config import ServiceConfig
 from hicache.sidecar.errors import NoSpace, StateError
 from hicache.sidecar.events import EventBus, Subscription
 from hicache.sidecar.health import degraded_but_serving, storage_health
+from hicache.sidecar.host_budget import Claim, split
 from hicache.sidecar.operations import Operation, operation_events
 from hicache.sidecar.pool import RegisteredPool
 from hicache.sidecar.pool_factory import build_pool
@@ -112,28 +113,35 @@ class HiCacheService:
     def _register(self, req: PoolRequest) -> PoolInfo | NoSpace:
         req.check(self.config.expected, self.config.hierarchy.storage_backend)
         geometry = req.geometry
-        host_pages = self.config.host_pages_for(geometry, req.device_pages)
-        host_bytes = geometry.pool_bytes(host_pages)
         refusal = self._pools.refusal()
         if refusal:
             return self._refuse(refusal)
         if req.device_memory.kind == "shm" and req.device_memory.name in self._pools.host_shm_names():
             raise ValueError(f"device memory {req.device_memory.name!r} is one of this sidecar's host pools")
-        with self._space_lock:  # the free-space check and the segment's reservation are one step
+        # the budget split, the free-space check, the segment's reservation and the pool's
+        # listing are one step: a concurrent registration sees this pool or none of it
+        with self._space_lock:
             _sweep()
+            host_pages = self._host_pages(req)
+            if isinstance(host_pages, NoSpace):
+                return host_pages
+            host_bytes = geometry.pool_bytes(host_pages)
             free = shutil.disk_usage(shm_dir()).free
             if host_bytes > free:
+                self._rebalance()
                 return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
             try:
                 pool = build_pool(req, host_pages, self.config, self._ipc, self.fds, self.events)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
                     raise
+                self._rebalance()
                 return NoSpace(f"host pool of {host_pages} pages ({host_bytes} bytes): {exc.strerror}")
-        refusal = self._pools.add(pool)
-        if refusal:
-            pool.close()
-            return self._refuse(refusal)
+            refusal = self._pools.add(pool)
+            if refusal:
+                pool.close()
+                self._rebalance()
+                return self._refuse(refusal)
         identity, host = pool.identity, pool.host
         return PoolInfo(
             identity.pool_id,
@@ -147,6 +155,48 @@ class HiCacheService:
             self.config.lease_timeout_s,
             identity.secret,
         )
+
+    # ---- the host budget ------------------------------------------------------------------------
+    def _host_pages(self, req: PoolRequest) -> int | NoSpace:
+        """The new pool's host pages: --hicache-ratio x its device pages, or, with a sidecar
+        budget (--hicache-size), its share (host_budget), after shrinking the live pools to
+        theirs. NoSpace when a share would hold no page."""
+        h = self.config.hierarchy
+        if h.size_gb <= 0:
+            return self.config.host_pages_for(req.geometry, req.device_pages)
+        live = self.pool_snapshots()
+        shares = split(
+            self._budget,
+            [*map(_claim, live), Claim(req.geometry.pool_bytes(req.device_pages), req.geometry.page_bytes)],
+        )
+        if min(shares) < 1:
+            return NoSpace(
+                f"the sidecar's host budget (--hicache-size {h.size_gb:g} GB) split over {len(shares)} pools "
+                f"leaves a share of less than one page ({req.geometry.page_bytes} bytes) for a pool"
+            )
+        for pool, pages in zip(live, shares, strict=False):
+            if pages < pool.host_pages:
+                pool.resize_host(pages)
+        return shares[-1]
+
+    @property
+    def _budget(self) -> int:
+        return int(self.config.hierarchy.size_gb * 1e9)
+
+    def _rebalance(self) -> None:
+        """Give each live pool its share of the budget again (after a pool left, or a
+        registration that failed); a pool that cannot grow (ENOSPC) keeps its size."""
+        if self.config.hierarchy.size_gb <= 0:
+            return
+        live = self.pool_snapshots()
+        if not live:
+            return
+        for pool, pages in zip(live, split(self._budget, [_claim(p) for p in live]), strict=True):
+            if pages >= 1 and pages != pool.host_pages:
+                try:
+                    pool.resize_host(pages)
+                except OSError as exc:
+                    log.warning("pool %s keeps %d host pages: %s", pool.identity.pool_id, pool.host_pages, exc)
 
     def _refuse(self, why: str) -> NoSpace:
         """StateError once shut down; otherwise the pool limit, a NoSpace answer."""
@@ -172,7 +222,9 @@ class HiCacheService:
         # sees its memory released; meanwhile its calls get StateError (closing).
         pool = self._pools.end_lease(pool_id)
         pool.close()
-        self._pools.remove(pool_id)
+        with self._space_lock:
+            self._pools.remove(pool_id)
+            self._rebalance()
         return True
 
     # ---- leases -------------------------------------------------------------------------------
@@ -321,6 +373,11 @@ class HiCacheService:
     def check_integrity(self) -> None:
         for pool in self._pools.check_integrity():
             pool.check_integrity()
+
+
+def _claim(pool: RegisteredPool) -> Claim:
+    g = pool.geometry
+    return Claim(g.pool_bytes(pool.device.num_pages), g.page_bytes, pool.host.num_pages)
 
 
 def _snapshot(sub: Subscription, pool: EventPool, keys: list[bytes]) -> None:
