@@ -15,6 +15,7 @@ is Redis's own `maxmemory` with an LRU `maxmemory-policy`.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -96,6 +97,7 @@ class RedisTier(StorageTier):
         self._down = down_errors()
         self.prefix = f"hicache:{identity.qualifier}:".encode()
         self._per_batch = max(1, max_batch_bytes // fmt.stored_size(identity, b"k" * 32))
+        self._arenas = threading.local()  # each thread's reused buffer for encoded pages
 
     def qualified(self, key: bytes) -> bytes:
         """The Redis key of page key `key`."""
@@ -196,8 +198,9 @@ class RedisTier(StorageTier):
         ok: list[bool] = []
         for start in range(0, len(items), self._per_batch):
             chunk = items[start : start + self._per_batch]
+            values = self._encode(chunk)
             replies = self._link.run(
-                [("SET", self.prefix + key, fmt.encode_page(self.identity, key, data), *tail) for key, data in chunk]
+                [("SET", self.prefix + key, value, *tail) for (key, _), value in zip(chunk, values, strict=True)]
             )
             self._note_errors(replies, "writes")
             done = [not isinstance(r, Exception) and bool(r) for r in replies]
@@ -206,6 +209,23 @@ class RedisTier(StorageTier):
         n_ok = sum(ok)
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes, write_failures=len(ok) - n_ok)
         return ok
+
+    def _encode(self, chunk: Sequence[tuple[bytes, Buffer]]) -> list[memoryview]:
+        """The stored form of each page, written into this thread's reused buffer: one copy of
+        each payload into memory already faulted in (redis-py sends a memoryview as it is).
+        The views are valid until this thread's next batch."""
+        sizes = [fmt.stored_size(self.identity, key) for key, _ in chunk]
+        arena = getattr(self._arenas, "buffer", None)
+        if arena is None or len(arena) < sum(sizes):
+            arena = self._arenas.buffer = bytearray(sum(sizes))
+        whole, out, offset = memoryview(arena), [], 0
+        for (key, data), size in zip(chunk, sizes, strict=True):
+            header = fmt.encode_header(self.identity, key, data)
+            whole[offset : offset + len(header)] = header
+            whole[offset + len(header) : offset + size] = memoryview(data).cast("B")
+            out.append(whole[offset : offset + size])
+            offset += size
+        return out
 
     def _note_errors(self, replies: list[Any], what: str) -> None:
         """Count error replies (OOM under maxmemory, a redirect a plain client cannot follow)

@@ -1,4 +1,5 @@
-"""The committed hicache/rpc/generated/ is exactly what scripts/gen_proto.py generates from proto/."""
+"""The committed hicache/rpc/generated/ is exactly what scripts/gen_proto.py generates from proto/,
+and the service's values survive the trip through its messages."""
 
 from __future__ import annotations
 
@@ -43,3 +44,32 @@ def test_geometry_and_memory_round_trip_through_messages() -> None:
         assert convert.geometry_from_pb(convert.geometry_to_pb(g)) == g
     h = MemoryHandle("cuda_ipc", 4096, ipc_handle=b"\x01" * 64, offset=512)
     assert convert.memory_from_pb(convert.memory_to_pb(h, cuda_device=1)) == h
+
+
+def test_stats_and_event_batches_round_trip_through_messages() -> None:
+    from hicache.api import EventBatch, EventKind, EventPool, KVEvent, PoolStats, Tier, TierStats
+    from hicache.rpc import convert
+
+    stats = PoolStats(
+        "pool-1", "full", "ns", "m@1", 8, 16, 3, 1, 4096,
+        (TierStats(Tier.HOST, 3, 12288, 5, 1, 65536), TierStats(Tier.STORAGE, 0, 0, 2, 4, 0)),
+        100, 1.5, 200, 2.5, 0, "redis", False, 7, "native", ("127.0.0.1:7001", "127.0.0.1:7004"),
+    )  # fmt: skip
+    assert convert.stats_from_pb(convert.stats_to_pb(stats)) == stats
+    pool = EventPool("pool-1", "ns", "m@1", "swa", 1, 2)
+    batch = EventBatch(
+        5,
+        (
+            KVEvent(EventKind.POOL_REGISTERED, pool),
+            KVEvent(EventKind.STORED, pool, Tier.HOST, (b"a", b"b")),
+            KVEvent(EventKind.REMOVED, pool, Tier.STORAGE, (b"c",)),
+            KVEvent(EventKind.POOL_UNREGISTERED, pool),
+        ),
+        3,
+        1796353200.5,
+    )
+    msg = convert.event_batch_to_pb(batch)
+    assert msg.events[0].tier == 0  # pool events name no tier on the wire
+    assert convert.event_batch_from_pb(msg) == batch
+    msg.events.add(kind=99)  # a kind of a newer sidecar is skipped, not guessed
+    assert convert.event_batch_from_pb(msg) == batch

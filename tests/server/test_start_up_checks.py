@@ -144,3 +144,29 @@ def test_with_json_logs_every_line_is_json_and_the_banner_names_the_bound_metric
     port = int(banner["metrics"].rsplit(":", 1)[1].split("/")[0])
     assert port > 0 and banner["metrics"] == f"http://127.0.0.1:{port}/metrics"
     assert any("file tier under" in r["msg"] and "bytes of pages per model" in r["msg"] for r in records)
+
+
+def test_a_cluster_flag_that_disagrees_with_the_server_is_one_line_at_start(tmp_path: Path, redis_cluster) -> None:  # type: ignore[no-untyped-def]
+    from tier_helpers import RedisServer
+
+    plain = RedisServer(tmp_path)
+    plain.start()
+    try:
+        cases = [
+            ("redis-cluster", plain.url.removesuffix("/0"), "is not a cluster node (cluster_enabled:0)"),
+            ("redis", redis_cluster.url, "is a Redis Cluster node (cluster_enabled:1)"),
+        ]
+        for backend, url, message in cases:
+            out = subprocess.run(
+                [
+                    sys.executable, "-m", "server", "--socket", str(tmp_path / "never.sock"),
+                    "--hicache-storage-backend", backend,
+                    "--hicache-storage-backend-extra-config", json.dumps({"url": url}),
+                ],
+                cwd=ROOT, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert out.returncode == 2, out.stderr
+            lines = out.stderr.strip().splitlines()
+            assert len(lines) == 1 and message in lines[0] and lines[0].startswith("hicache-server: error:"), lines
+    finally:
+        plain.stop()
