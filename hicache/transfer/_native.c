@@ -6,6 +6,12 @@
  * overlap on the destination, which also bounds the work), then copies with the GIL
  * released, so several Python threads can each run a share of one transfer at a time.
  *
+ * copy_layers() does the same for a whole transfer of several layers in one call: after each
+ * layer's descriptors it stores the count of layers done into a 32-bit progress word (release
+ * order) and wakes its futex waiters, so another thread, or another process that maps the
+ * word (a shared-memory progress block), waits for a layer with wait_progress() without
+ * holding the GIL and without a message per layer.
+ *
  * With streaming=True, x86-64 builds write with non-temporal stores: a transfer larger than
  * the caches saves the read-for-ownership traffic that ordinary stores cost (each destination
  * line read before it is overwritten), and does not evict the caller's working set. Other CPUs use memcpy either way.
@@ -13,8 +19,17 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <errno.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
@@ -142,27 +157,17 @@ static int to_address(PyObject *obj, void *out) {
     return 1;
 }
 
-static PyObject *copy_rows(PyObject *self, PyObject *args) {
-    uintptr_t dst_addr, src_addr;
-    long long dst_size, src_size;
-    PyObject *desc_obj;
-    Py_ssize_t group;
-    int streaming;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "O&LO&LOnp", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
-                          &desc_obj, &group, &streaming))
-        return NULL;
-    if (group < 1)
-        return PyErr_Format(PyExc_ValueError, "group must be >= 1, got %zd", group);
-    if (dst_size < 0 || src_size < 0)
-        return PyErr_Format(PyExc_ValueError, "buffer sizes must be >= 0, got %lld and %lld", dst_size, src_size);
+/* The descriptors of `desc_obj` (an int64 (n, 6) C-contiguous array) as a private, checked
+ * copy (PyMem_Free it), or NULL with an exception set. */
+static CopyDesc *load_descs(PyObject *desc_obj, Py_ssize_t *n_out, int64_t dst_size, int64_t src_size) {
     Py_buffer view;
     if (PyObject_GetBuffer(desc_obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return NULL;
     if (view.itemsize != 8 || !is_int64_format(view.format) || view.ndim != 2 || view.shape[1] != DESC_FIELDS) {
         PyBuffer_Release(&view);
-        return PyErr_Format(PyExc_ValueError, "descriptors must be a C-contiguous int64 array of shape (n, %d)",
-                            DESC_FIELDS);
+        PyErr_Format(PyExc_ValueError, "descriptors must be a C-contiguous int64 array of shape (n, %d)",
+                     DESC_FIELDS);
+        return NULL;
     }
     /* A private copy: checked and copied from memory no other thread can change meanwhile
      * (and aligned, whatever the caller's buffer). */
@@ -170,7 +175,8 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     CopyDesc *descs = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(CopyDesc) : 1);
     if (descs == NULL) {
         PyBuffer_Release(&view);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return NULL;
     }
     memcpy(descs, view.buf, (size_t)n * sizeof(CopyDesc));
     PyBuffer_Release(&view);
@@ -180,6 +186,44 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
+    *n_out = n;
+    return descs;
+}
+
+static int check_buffers(uintptr_t dst_addr, long long dst_size, uintptr_t src_addr, long long src_size,
+                         Py_ssize_t group) {
+    if (group < 1) {
+        PyErr_Format(PyExc_ValueError, "group must be >= 1, got %zd", group);
+        return -1;
+    }
+    if (dst_size < 0 || src_size < 0) {
+        PyErr_Format(PyExc_ValueError, "buffer sizes must be >= 0, got %lld and %lld", dst_size, src_size);
+        return -1;
+    }
+    if (dst_addr == 0 || src_addr == 0) {
+        PyErr_Format(PyExc_ValueError, "buffer addresses must be non-zero");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *copy_rows(PyObject *self, PyObject *args) {
+    uintptr_t dst_addr, src_addr;
+    long long dst_size, src_size;
+    PyObject *desc_obj;
+    Py_ssize_t group, n;
+    int streaming;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O&LO&LOnp", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
+                          &desc_obj, &group, &streaming))
+        return NULL;
+    if (group < 1)
+        return PyErr_Format(PyExc_ValueError, "group must be >= 1, got %zd", group);
+    if (dst_size < 0 || src_size < 0)
+        return PyErr_Format(PyExc_ValueError, "buffer sizes must be >= 0, got %lld and %lld", dst_size, src_size);
+    CopyDesc *descs = load_descs(desc_obj, &n, dst_size, src_size);
+    if (descs == NULL)
+        return NULL;
     if (n > 0 && (dst_addr == 0 || src_addr == 0)) {
         PyMem_Free(descs);
         return PyErr_Format(PyExc_ValueError, "buffer addresses must be non-zero");
@@ -193,6 +237,133 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- progress words ------------------------------------------------------------------ */
+
+static void publish_word(uint32_t *word, uint32_t value) {
+    __atomic_store_n(word, value, __ATOMIC_RELEASE);
+#ifdef __linux__
+    syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); /* shared: waiters may be other processes */
+#endif
+}
+
+static PyObject *publish(PyObject *self, PyObject *args) {
+    uintptr_t addr;
+    unsigned int value;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O&I", to_address, &addr, &value))
+        return NULL;
+    if (addr == 0 || addr % 4 != 0)
+        return PyErr_Format(PyExc_ValueError, "a progress word needs a non-zero 4-byte aligned address");
+    publish_word((uint32_t *)addr, value);
+    Py_RETURN_NONE;
+}
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+/* Wait until *word >= target, at most timeout_s seconds (< 0: no limit); returns what it read
+ * last. Runs without the GIL. */
+static PyObject *wait_progress(PyObject *self, PyObject *args) {
+    uintptr_t addr;
+    unsigned int target;
+    double timeout_s;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O&Id", to_address, &addr, &target, &timeout_s))
+        return NULL;
+    if (addr == 0 || addr % 4 != 0)
+        return PyErr_Format(PyExc_ValueError, "a progress word needs a non-zero 4-byte aligned address");
+    uint32_t *word = (uint32_t *)addr;
+    uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    if (seen >= target)
+        return PyLong_FromUnsignedLong(seen);
+    Py_BEGIN_ALLOW_THREADS
+    double deadline = timeout_s < 0 ? -1.0 : now_s() + timeout_s;
+    while ((seen = __atomic_load_n(word, __ATOMIC_ACQUIRE)) < target) {
+        double left = deadline < 0 ? 1.0 : deadline - now_s();
+        if (left <= 0)
+            break;
+#ifdef __linux__
+        struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+        syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, NULL, 0); /* returns at once if *word != seen */
+#else
+        struct timespec ts = {0, 50000};
+        nanosleep(&ts, NULL);
+#endif
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(seen);
+}
+
+/* copy_layers(dst_addr, dst_size, src_addr, src_size, descriptors, layer_ends, group, streaming,
+ * progress_addr): the descriptors of layer i are [layer_ends[i-1], layer_ends[i]); after each
+ * layer, publish i + 1 to the progress word (when progress_addr is not 0). */
+static PyObject *copy_layers(PyObject *self, PyObject *args) {
+    uintptr_t dst_addr, src_addr, progress_addr;
+    long long dst_size, src_size;
+    PyObject *desc_obj, *ends_obj;
+    Py_ssize_t group, n;
+    int streaming;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O&LO&LOOnpO&", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
+                          &desc_obj, &ends_obj, &group, &streaming, to_address, &progress_addr))
+        return NULL;
+    if (check_buffers(dst_addr, dst_size, src_addr, src_size, group) < 0)
+        return NULL;
+    if (progress_addr % 4 != 0)
+        return PyErr_Format(PyExc_ValueError, "the progress word must be 4-byte aligned");
+    Py_buffer ends_view;
+    if (PyObject_GetBuffer(ends_obj, &ends_view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (ends_view.itemsize != 8 || !is_int64_format(ends_view.format) || ends_view.ndim != 1) {
+        PyBuffer_Release(&ends_view);
+        return PyErr_Format(PyExc_ValueError, "layer_ends must be a C-contiguous 1-d int64 array");
+    }
+    Py_ssize_t layers = ends_view.shape[0];
+    int64_t *ends = PyMem_Malloc(layers > 0 ? (size_t)layers * sizeof(int64_t) : 1);
+    if (ends == NULL) {
+        PyBuffer_Release(&ends_view);
+        return PyErr_NoMemory();
+    }
+    memcpy(ends, ends_view.buf, (size_t)layers * sizeof(int64_t));
+    PyBuffer_Release(&ends_view);
+    CopyDesc *descs = load_descs(desc_obj, &n, dst_size, src_size);
+    if (descs == NULL) {
+        PyMem_Free(ends);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < layers; i++) {
+        int64_t before = i == 0 ? 0 : ends[i - 1];
+        if (ends[i] < before || ends[i] > n || (i == layers - 1 && ends[i] != n)) {
+            PyMem_Free(ends);
+            PyMem_Free(descs);
+            return PyErr_Format(PyExc_ValueError, "layer_ends must rise to the descriptor count %zd; entry %zd is %lld",
+                                n, i, (long long)ends[i]);
+        }
+    }
+    if (layers == 0 && n != 0) {
+        PyMem_Free(ends);
+        PyMem_Free(descs);
+        return PyErr_Format(PyExc_ValueError, "%zd descriptors but no layer", n);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < layers; i++) {
+        int64_t first = i == 0 ? 0 : ends[i - 1];
+        Py_ssize_t count = (Py_ssize_t)(ends[i] - first);
+        if (count > 0)
+            copy_all((char *)dst_addr, (const char *)src_addr, descs + first, count, group < count ? group : count,
+                     streaming);
+        if (progress_addr != 0)
+            publish_word((uint32_t *)progress_addr, (uint32_t)(i + 1));
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(ends);
+    PyMem_Free(descs);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(dst_addr, dst_size, src_addr, src_size, descriptors, group, streaming) -> None\n\n"
@@ -200,6 +371,18 @@ static PyMethodDef methods[] = {
      "(n, 6) array from the src buffer to the dst buffer, row-interleaved within groups of\n"
      "`group` descriptors. Raises ValueError, before copying anything, if a descriptor\n"
      "reaches outside either buffer."},
+    {"copy_layers", copy_layers, METH_VARARGS,
+     "copy_layers(dst_addr, dst_size, src_addr, src_size, descriptors, layer_ends, group, streaming,\n"
+     "            progress_addr) -> None\n\n"
+     "copy_rows for a transfer of several layers in one call: layer i's descriptors are\n"
+     "[layer_ends[i-1], layer_ends[i]); after each layer, i + 1 is stored into the 32-bit word at\n"
+     "progress_addr (0: none) and its futex waiters are woken. Checks everything first."},
+    {"wait_progress", wait_progress, METH_VARARGS,
+     "wait_progress(addr, target, timeout_s) -> int\n\n"
+     "Wait, without the GIL, until the 32-bit word at addr is >= target or timeout_s seconds\n"
+     "pass (< 0: no limit); returns the value read last."},
+    {"publish", publish, METH_VARARGS,
+     "publish(addr, value) -> None\n\nStore value into the 32-bit word at addr and wake its waiters."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -19,6 +19,7 @@ from hicache.transfer.cpu import INLINE_BYTES, CpuCopier, copy_views, full_views
 from hicache.transfer.cuda import CudaCopier, layer_plan
 from hicache.transfer.handles import CpuTransferHandle, CudaTransferHandle, TransferHandle
 from hicache.transfer.plan import PageList, TransferPlan, as_pages, make_plan
+from hicache.transfer.progress import ProgressWords
 from hicache.transfer.writers import WriterRegistry
 from hicache.validate import is_int
 
@@ -153,19 +154,35 @@ class TransferEngine:
         return self._start(self.device_pool, self.host_pool, plan, nbytes, load=False)
 
     def reload_async(
-        self, host_pages: PageList, device_pages: PageList, layers: Sequence[int] | None = None
+        self,
+        host_pages: PageList,
+        device_pages: PageList,
+        layers: Sequence[int] | None = None,
+        *,
+        progress: ProgressWords | None = None,
     ) -> TransferHandle:
         """Start a reload (as reload()), layer by layer in ascending order; returns at once.
 
         handle.wait_layer(i) waits for pool-local layer i only, so a forward pass can use
-        layer 0 while later layers still load. Raises ValueError (nothing started) for bad
-        lists or device pages an unfinished transfer is writing.
+        layer 0 while later layers still load. `progress`: words (zeroed here) the copy
+        publishes each share's layers into (a shared-memory block another process waits on);
+        CPU pools only. Raises ValueError (nothing started) for bad lists or device pages an
+        unfinished transfer is writing.
         """
         plan = self.reload_plan(host_pages, device_pages, layers)
         nbytes = plan.num_pages * self.geometry.page_bytes_for(len(plan.layers))
-        return self._start(self.host_pool, self.device_pool, plan, nbytes, load=True)
+        return self._start(self.host_pool, self.device_pool, plan, nbytes, load=True, progress=progress)
 
-    def _start(self, src: Pool, dst: Pool, plan: TransferPlan, nbytes: int, *, load: bool) -> TransferHandle:
+    def _start(
+        self,
+        src: Pool,
+        dst: Pool,
+        plan: TransferPlan,
+        nbytes: int,
+        *,
+        load: bool,
+        progress: ProgressWords | None = None,
+    ) -> TransferHandle:
         pool = "device_pages" if load else "host_pages"
         pages = frozenset(int(p) for p in plan.dst_pages)
         handle: TransferHandle
@@ -174,21 +191,50 @@ class TransferEngine:
                 events = self._cuda.run(src, dst, plan, load=load, per_layer=True, sync=False)
                 handle = CudaTransferHandle(plan.layers, nbytes, pool, pages, events)
             else:
-                cpu_handle = CpuTransferHandle(plan.layers, nbytes, pool, pages)
-                self._driver_pool().submit(self._drive, src, dst, plan, cpu_handle)
+                if progress is None and self.backend == "native":
+                    progress = ProgressWords.private(self._shares())
+                if progress is not None:
+                    progress.reset()
+                cpu_handle = CpuTransferHandle(plan.layers, nbytes, pool, pages, progress)
+                if self.backend == "native" and nbytes < INLINE_BYTES:
+                    self._drive(src, dst, plan, cpu_handle)  # small: here, no hand-off to a thread
+                else:
+                    self._driver_pool().submit(self._drive, src, dst, plan, cpu_handle)
                 handle = cpu_handle
             register(handle.done)
         return handle
 
+    def _shares(self) -> int:
+        """Copy shares of a large transfer: one per copy thread."""
+        return self._copy_threads or torch.get_num_threads()
+
     def _drive(self, src: Pool, dst: Pool, plan: TransferPlan, handle: CpuTransferHandle) -> None:
         try:
-            for layer in plan.layers:
-                self._copy_layers(src, dst, plan, (layer,))
-                handle.publish_layer()
+            if self.backend == "native" and handle.words is not None:
+                self._copy_all_layers(src, dst, plan, handle.words)
+            else:
+                for layer in plan.layers:
+                    self._copy_layers(src, dst, plan, (layer,))
+                    handle.publish_layer()
         except BaseException as exc:  # surfaces from handle.wait()
             handle.finish(exc)
         else:
             handle.finish()
+
+    def _copy_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords) -> None:
+        """Every layer in one C call per share, each publishing its layers into its word."""
+        batch = native.layered(src, dst, plan, plan.layers)
+        copier = self._cpu_copier(batch.nbytes)
+        shares = 1
+        if copier is not None and batch.nbytes >= INLINE_BYTES:
+            shares = max(1, min(len(words), copier.threads))
+        for spare in range(shares, len(words)):  # words no share writes: done from the start
+            words.publish(spare, len(plan.layers))
+        calls = native.layered_calls(src, dst, batch, words.addresses[:shares])
+        if copier is not None and shares > 1:
+            copier.run_calls(calls)
+        else:
+            calls[0]()
 
     # ---- execution -------------------------------------------------------------------------
     def _run(self, src: Pool, dst: Pool, plan: TransferPlan, *, load: bool) -> None:

@@ -4,7 +4,9 @@ A transfer copies its layers in order (plan.layers, ascending pool-local indices
 "layer i is ready" means every earlier layer of the transfer is ready too.
 
 - `CpuTransferHandle`: filled in by the engine's transfer thread, which publishes each
-  layer as its copies finish. wait_layer blocks the calling thread.
+  layer as its copies finish. wait_layer blocks the calling thread. With progress words
+  (the native path), the C copy publishes each layer itself and wait_layer waits on the
+  words' futexes without the GIL.
 - `CudaTransferHandle`: one CUDA event per layer, recorded on the engine's load (or
   write) stream. wait_layer makes the caller's current CUDA stream wait for the event,
   so kernels queued afterwards see the layer, without blocking the host.
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import threading
 from typing import Any
+
+from hicache.transfer.progress import FAILED, ProgressWords
 
 
 class TransferHandle:
@@ -57,18 +61,30 @@ class TransferHandle:
 
 
 class CpuTransferHandle(TransferHandle):
-    """A transfer run by a CPU thread that publishes per-layer progress."""
+    """A transfer run by a CPU thread that publishes per-layer progress (into `words` too,
+    when given: one word per copy share, each counting the layers its share has copied)."""
 
-    def __init__(self, layers: tuple[int, ...], nbytes: int, pool: str, dst_pages: frozenset[int]):
+    def __init__(
+        self,
+        layers: tuple[int, ...],
+        nbytes: int,
+        pool: str,
+        dst_pages: frozenset[int],
+        words: ProgressWords | None = None,
+    ):
         super().__init__(layers, nbytes, pool, dst_pages)
         self._cond = threading.Condition()
-        self._ready = 0  # layers[:_ready] are copied
+        self._ready = 0  # layers[:_ready] are copied (without words)
         self._finished = False
         self._error: BaseException | None = None
+        self.words = words
 
     @property
     def layers_ready(self) -> int:
         """How many of `layers` (a prefix, in order) are copied so far."""
+        if self.words is not None:
+            done = self.words.done()
+            return len(self.layers) if done == FAILED else min(done, len(self.layers))
         with self._cond:
             return self._ready
 
@@ -86,6 +102,13 @@ class CpuTransferHandle(TransferHandle):
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         need = self._position(layer) + 1
+        if self.words is not None:
+            if not self.words.wait(need, timeout):
+                raise TimeoutError(f"layer {layer} not copied after {timeout} s")
+            if self.words.done() != FAILED:
+                return
+            self.wait(timeout)  # raises the copy's error
+            return
         with self._cond:
             if not self._cond.wait_for(lambda: self._ready >= need or self._finished, timeout):
                 raise TimeoutError(f"layer {layer} not copied after {timeout} s")
@@ -99,12 +122,16 @@ class CpuTransferHandle(TransferHandle):
             assert self._ready < len(self.layers)
             self._ready += 1
             self._cond.notify_all()
+        if self.words is not None:
+            self.words.publish_all(self._ready)
 
     def finish(self, error: BaseException | None = None) -> None:
         with self._cond:
             self._error = error
             self._finished = True
             self._cond.notify_all()
+        if self.words is not None:
+            self.words.publish_all(FAILED if error is not None else len(self.layers))
 
 
 class CudaTransferHandle(TransferHandle):

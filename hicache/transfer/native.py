@@ -88,12 +88,17 @@ def descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequen
     return CopyBatch(merge(descs[np.argsort(descs[:, DST], kind="stable")]))
 
 
-def merge(descs: np.ndarray) -> np.ndarray:
-    """Join single-row descriptors that continue the previous one on both sides. A merged copy
-    takes chunks while its first MERGE_CAP bytes are not yet full, so it ends below
-    MERGE_CAP plus one chunk."""
+def merge(descs: np.ndarray, starts_layer: np.ndarray | None = None) -> np.ndarray:
+    """Join single-row descriptors that continue the previous one on both sides (never across
+    a True of `starts_layer`, where a layer's descriptors begin). A merged copy takes chunks
+    while its first MERGE_CAP bytes are not yet full, so it ends below MERGE_CAP plus one chunk."""
+    return _merge(descs, starts_layer)[0]
+
+
+def _merge(descs: np.ndarray, starts_layer: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """merge(), and the index of each output descriptor's first input."""
     if len(descs) < 2:
-        return descs
+        return descs, np.arange(len(descs))
     single = descs[:, ROWS] == 1
     size = descs[:, ROW_BYTES]
     follows = np.zeros(len(descs), dtype=bool)
@@ -103,6 +108,8 @@ def merge(descs: np.ndarray) -> np.ndarray:
         & (descs[1:, DST] == descs[:-1, DST] + size[:-1])
         & (descs[1:, SRC] == descs[:-1, SRC] + size[:-1])
     )
+    if starts_layer is not None:
+        follows &= ~starts_layer
     run_id = np.cumsum(~follows)
     ends = np.cumsum(size)
     run_first = np.flatnonzero(~follows)
@@ -116,7 +123,7 @@ def merge(descs: np.ndarray) -> np.ndarray:
     joined = out[:, ROWS] == 1
     out[joined, DST_STRIDE] = out[joined, ROW_BYTES]
     out[joined, SRC_STRIDE] = out[joined, ROW_BYTES]
-    return out
+    return out, first
 
 
 def split(batch: CopyBatch, shares: int) -> list[np.ndarray]:
@@ -129,6 +136,112 @@ def split(batch: CopyBatch, shares: int) -> list[np.ndarray]:
     cuts = np.searchsorted(ends, ends[-1] * np.arange(1, shares) / shares, side="right")
     cuts = np.unique(-(-cuts // group) * group)  # up to a group boundary
     return [part for part in np.split(descs, cuts) if len(part)]
+
+
+@dataclass(frozen=True)
+class LayeredBatch:
+    """A whole transfer's descriptors, layer by layer: layer i (of the plan's order) is
+    descs[ends[i-1]:ends[i]], copied row-interleaved in groups of `group`."""
+
+    descs: np.ndarray
+    ends: np.ndarray
+    group: int = 1
+
+    @cached_property
+    def nbytes(self) -> int:
+        return int((self.descs[:, ROWS] * self.descs[:, ROW_BYTES]).sum()) if len(self.descs) else 0
+
+
+def layered(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int]) -> LayeredBatch:
+    """The descriptors of every layer of a transfer, built at once (see descriptors() for the
+    order within a layer), for one copy_layers call per share."""
+    layer_arr = np.asarray(layers, dtype=np.int64)
+    if plan.num_pages == 0 or layer_arr.size == 0:
+        return LayeredBatch(np.zeros((0, 6), dtype=np.int64), np.zeros(layer_arr.size, dtype=np.int64))
+    page_size = src.geometry.page_size
+    parts, positions = [], []
+    pos = np.broadcast_to(np.arange(layer_arr.size, dtype=np.int64), (plan.num_pages, layer_arr.size)).ravel()
+    for s, d in zip(src.layout.strides, dst.layout.strides, strict=True):
+        src_off = s.base + plan.src_pages[:, None] * s.page_stride + layer_arr[None, :] * s.layer_stride
+        dst_off = d.base + plan.dst_pages[:, None] * d.page_stride + layer_arr[None, :] * d.layer_stride
+        if s.chunk_contiguous and d.chunk_contiguous:
+            shape = (1, page_size * s.row_bytes, page_size * s.row_bytes, page_size * s.row_bytes)
+        else:
+            shape = (page_size, s.row_bytes, d.token_stride, s.token_stride)
+        part = np.empty((src_off.size, 6), dtype=np.int64)
+        part[:, DST] = dst_off.ravel()
+        part[:, SRC] = src_off.ravel()
+        part[:, ROWS:] = shape
+        parts.append(part)
+        positions.append(pos)
+    descs, where = np.concatenate(parts), np.concatenate(positions)
+    strided_src = not all(s.chunk_contiguous for s in src.layout.strides)
+    order = np.lexsort((descs[:, SRC] if strided_src else descs[:, DST], where))
+    descs, where = descs[order], where[order]
+    group = len(parts) if strided_src else 1
+    if not strided_src and all(d.chunk_contiguous for d in dst.layout.strides):
+        starts_layer = np.zeros(len(where), dtype=bool)
+        starts_layer[1:] = where[1:] != where[:-1]
+        descs, first = _merge(descs, starts_layer)
+        where = where[first]
+    ends = np.searchsorted(where, np.arange(1, layer_arr.size + 1), side="left").astype(np.int64)
+    return LayeredBatch(np.ascontiguousarray(descs), ends, group)
+
+
+def layered_shares(batch: LayeredBatch, shares: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cut every layer of the batch into `shares` parts of about equal bytes (between groups):
+    share t is (descriptors, ends) holding part t of each layer, in layer order."""
+    if shares == 1:
+        return [(batch.descs, batch.ends)]
+    sizes = batch.descs[:, ROWS] * batch.descs[:, ROW_BYTES]
+    pieces: list[list[np.ndarray]] = [[] for _ in range(shares)]
+    counts = np.zeros((shares, len(batch.ends)), dtype=np.int64)
+    start = 0
+    for i, end in enumerate(int(e) for e in batch.ends):
+        cum = np.cumsum(sizes[start:end])
+        total = int(cum[-1]) if end > start else 0
+        cuts: np.ndarray = (
+            np.searchsorted(cum, total * np.arange(1, shares) / shares, side="right")
+            if total
+            else np.zeros(shares - 1, dtype=np.int64)
+        )
+        cuts = np.minimum(-(-np.asarray(cuts, dtype=np.int64) // batch.group) * batch.group, end - start)
+        bounds = [0, *(int(c) for c in cuts), end - start]
+        for t in range(shares):
+            part = batch.descs[start + bounds[t] : start + max(bounds[t], bounds[t + 1])]
+            pieces[t].append(part)
+            counts[t, i] = len(part)
+        start = end
+    return [
+        (np.ascontiguousarray(np.concatenate(pieces[t])), np.cumsum(counts[t]).astype(np.int64)) for t in range(shares)
+    ]
+
+
+def layered_calls(
+    src: FlatPool, dst: FlatPool, batch: LayeredBatch, progress: Sequence[int], streaming: bool | None = None
+) -> list[Callable[[], None]]:
+    """One call per progress word's address: copy_layers of its share of every layer,
+    publishing each layer done to that word (each call releases the GIL)."""
+    assert _native is not None, "the hicache C extension is not built"
+    if streaming is None:
+        streaming = batch.nbytes >= STREAM_MIN_BYTES
+    copy = partial(_native.copy_layers, dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes)
+    return [
+        partial(copy, descs, ends, batch.group, streaming, addr)
+        for (descs, ends), addr in zip(layered_shares(batch, len(progress)), progress, strict=True)
+    ]
+
+
+def publish(address: int, value: int) -> None:
+    """Store value into the 32-bit word at `address` and wake its futex waiters."""
+    assert _native is not None, "the hicache C extension is not built"
+    _native.publish(address, value)
+
+
+def wait_progress(address: int, target: int, timeout_s: float) -> int:
+    """Wait (without the GIL) until the word at `address` is >= target, up to timeout_s."""
+    assert _native is not None, "the hicache C extension is not built"
+    return int(_native.wait_progress(address, target, timeout_s))
 
 
 def copy_calls(

@@ -20,7 +20,9 @@ def small_geometry(layers: int = 4) -> KVGeometry:
 
 
 def gate_layers(engine: TransferEngine, hold_from: int) -> threading.Event:
-    """Make the engine's transfer thread stop before copying layer `hold_from` until released."""
+    """Make the engine's transfer thread stop before copying layer `hold_from` until released
+    (the torch backend's layer-by-layer path: the native one copies all layers in one C call)."""
+    assert engine.backend == "torch", "gate a torch-backend engine"
     release = threading.Event()
     copy = engine._copy_layers
 
@@ -84,7 +86,7 @@ def test_layerwise_forward_overlaps_the_reload():
     for layer in range(g.layer_num):
         want = _layer_forward(dev, layer, slots, want)
     host = HostKVPool(g, 4, "page_first")
-    engine = TransferEngine(dev, host)
+    engine = TransferEngine(dev, host, "torch")
     engine.offload(seq, [3, 0, 2])
     dev.flat.zero_()
     release = gate_layers(engine, hold_from=1)
@@ -109,7 +111,7 @@ def test_overlapping_destinations_are_rejected_and_nothing_changes():
     dev, host = DeviceKVPool(g, 6), HostKVPool(g, 6)
     fill_random(dev, 1)
     fill_random(host, 2)
-    engine = TransferEngine(dev, host)
+    engine = TransferEngine(dev, host, "torch")
     release = gate_layers(engine, hold_from=1)
     first = engine.reload_async([0, 1], [1, 2])
     first.wait_layer(0)
@@ -134,7 +136,7 @@ def test_overlapping_destinations_are_rejected_and_nothing_changes():
 def test_offload_async_guards_host_pages():
     g = small_geometry()
     dev, host = DeviceKVPool(g, 4), HostKVPool(g, 4)
-    engine = TransferEngine(dev, host)
+    engine = TransferEngine(dev, host, "torch")
     release = gate_layers(engine, hold_from=1)
     handle = engine.offload_async([0, 1], [3, 2])
     with pytest.raises(ValueError, match=r"host_pages \[3\]"):
@@ -147,7 +149,7 @@ def test_offload_async_guards_host_pages():
 def test_worker_errors_surface_from_wait_and_release_the_pages():
     g = small_geometry()
     dev, host = DeviceKVPool(g, 4), HostKVPool(g, 4)
-    engine = TransferEngine(dev, host)
+    engine = TransferEngine(dev, host, "torch")
     copy = engine._copy_layers
 
     def failing(src, dst, plan, layers):
