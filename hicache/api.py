@@ -53,6 +53,8 @@ class PoolInfo:
     key_bytes: int
     lease_timeout_s: float
     pool_secret: str = ""  # required (as call metadata) by every later call naming the pool
+    progress_shm_name: str = ""  # the pool's progress block (layer-wise reloads), "" for none
+    progress_nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,11 @@ class TransferResult:
     bytes_copied: int = 0
     op_id: str = ""
     done: bool = True
+    # a layer-wise reload's slot in the pool's progress block (PoolInfo.progress_shm_name):
+    # its generation and how many progress words it uses (0: none, follow Watch)
+    progress_slot: int = 0
+    progress_generation: int = 0
+    progress_words: int = 0
 
 
 @dataclass(frozen=True)

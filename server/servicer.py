@@ -123,6 +123,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             key_bytes=info.key_bytes,
             lease_timeout=_duration(info.lease_timeout_s),
             pool_secret=info.pool_secret,
+            progress_shm_name=info.progress_shm_name,
+            progress_nbytes=info.progress_nbytes,
         )
 
     @_mapped
@@ -155,7 +157,13 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             layerwise=request.layerwise,
         )
         return pb.ReloadResponse(
-            statuses=convert.statuses_to_pb(r.statuses), op_id=r.op_id, done=r.done, bytes_copied=r.bytes_copied
+            statuses=convert.statuses_to_pb(r.statuses),
+            op_id=r.op_id,
+            done=r.done,
+            bytes_copied=r.bytes_copied,
+            progress_slot=r.progress_slot,
+            progress_generation=r.progress_generation,
+            progress_words=r.progress_words,
         )
 
     @_mapped

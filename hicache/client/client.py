@@ -45,6 +45,7 @@ from hicache.api import (
 )
 from hicache.client.connection import Connection
 from hicache.client.handles import HiCacheRpcError, ReloadHandle
+from hicache.client.progress_blocks import ProgressBlocks
 from hicache.client.tls import ClientTls
 from hicache.geometry import KVGeometry
 from hicache.keys import HashName, page_keys
@@ -103,6 +104,7 @@ class HiCacheClient:
         self._secrets: dict[str, str] = {}  # pool id -> secret, for this client's pools and attached ones
         self._admin = admin_token
         self._default: str | None = None
+        self._blocks = ProgressBlocks()  # the progress blocks of this client's pools, mapped
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _call(
@@ -223,6 +225,7 @@ class HiCacheClient:
         )
         self._pools[info.pool_id] = info
         self._secrets[info.pool_id] = r.pool_secret
+        self._blocks.map(info.pool_id, r.progress_shm_name, r.progress_nbytes)
         self._default = info.pool_id
         self._conn.keep_alive(lambda: [(p, i.secret) for p, i in list(self._pools.items())], info.lease_timeout_s)
         return info
@@ -239,6 +242,7 @@ class HiCacheClient:
         request = pb.UnregisterPoolRequest(request_id=self._rid(), pool_id=info.pool_id)
         self._call(self._stub.UnregisterPool, request, retry=retry, pool=info.pool_id)
         del self._pools[info.pool_id]
+        self._blocks.unmap(info.pool_id)
         if self._default == info.pool_id:
             self._default = next(iter(self._pools), None)
 
@@ -279,7 +283,10 @@ class HiCacheClient:
         def watch() -> Any:
             return self._stub.Watch(watch_req, timeout=self.timeout, metadata=self._pool_metadata(info.pool_id))
 
-        return ReloadHandle(result, info.layer_num, None if r.done else watch)
+        slot = None
+        if not r.done and r.progress_words:
+            slot = self._blocks.slot(info.pool_id, r.progress_slot, r.progress_generation, r.progress_words)
+        return ReloadHandle(result, info.layer_num, None if r.done else watch, slot)
 
     def prefetch(self, keys: Sequence[bytes], *, policy: str = "", pool: PoolRef = None) -> PrefetchOutcome:
         """Bring keys from the storage tier into host memory: each key is RESIDENT, FETCHING
@@ -368,6 +375,7 @@ class HiCacheClient:
                 self.unregister(pool_id, retry=False)  # a dead sidecar fails fast
             except HiCacheRpcError:
                 self._pools.pop(pool_id, None)
+        self._blocks.close()
         self._conn.close()
 
     def __enter__(self) -> HiCacheClient:

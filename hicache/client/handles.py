@@ -7,9 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import numpy as np
 
 from hicache.api import OpEvent, TransferResult
 from hicache.rpc import convert
+from hicache.transfer.progress import FAILED, ProgressWords
 from hicache.validate import is_int
 
 
@@ -22,15 +24,36 @@ class HiCacheRpcError(Exception):
         self.details = details
 
 
+class ProgressSlot:
+    """A reload's slot in the pool's progress block, mapped in this process: its progress
+    words, valid while the slot's word 0 still holds `generation`."""
+
+    def __init__(self, row: np.ndarray, generation: int, words: int):
+        self.row, self.generation = row, generation
+        self.words = ProgressWords(row[1 : 1 + words])
+
+    def current(self) -> bool:
+        return int(self.row[0]) == self.generation
+
+
 class ReloadHandle:
     """A reload in progress. statuses[i] is LOADED, LOADED_FROM_STORAGE (fetched from the
     storage tier first) or NOT_FOUND for keys[i]; the loaded keys are a prefix of keys.
 
-    Layer-wise reloads follow the sidecar's Watch stream in a thread; wait_layer(i) returns
-    once pool-local layer i (0 .. layer_num-1) of every loaded page is on the device.
+    wait_layer(i) returns once pool-local layer i (0 .. layer_num-1) of every loaded page
+    is on the device. A layer-wise reload with a progress slot (a sidecar on this host with
+    the native copy path) is waited on in that shared memory, on a futex, without a message
+    per layer; otherwise, or once the slot says the reload failed (or was reused), the
+    handle follows the sidecar's Watch stream in a thread.
     """
 
-    def __init__(self, result: TransferResult, layer_num: int, watch: Callable[[], Any] | None):
+    def __init__(
+        self,
+        result: TransferResult,
+        layer_num: int,
+        watch: Callable[[], Any] | None,
+        slot: ProgressSlot | None = None,
+    ):
         self.statuses = result.statuses
         self.op_id = result.op_id
         self.bytes_copied = result.bytes_copied
@@ -39,9 +62,29 @@ class ReloadHandle:
         self._layers_done = layer_num if result.done else 0
         self._finished = result.done
         self._error: str | None = None
-        if not result.done:
-            assert watch is not None
-            threading.Thread(target=self._follow, args=(watch,), daemon=True, name="hicache-watch").start()
+        self._watch = watch
+        self._watching = False
+        self._slot = None if result.done else slot
+        if not result.done and slot is None:
+            self._follow_watch()
+
+    def _follow_watch(self) -> None:
+        with self._cond:
+            if self._watching:
+                return
+            self._watching = True
+        assert self._watch is not None
+        threading.Thread(target=self._follow, args=(self._watch,), daemon=True, name="hicache-watch").start()
+
+    def _slot_wait(self, target: int, timeout: float | None) -> bool:
+        """Wait in the progress slot until `target` layers are done: True when they are;
+        False when the slot cannot tell (failed, reused): then Watch must. Raises TimeoutError."""
+        slot = self._slot
+        if slot is None or self._watching or not slot.current():
+            return False
+        if not slot.words.wait(target, timeout):
+            raise TimeoutError(f"reload {self.op_id}: {target} layers not done after {timeout} s")
+        return slot.words.done() != FAILED and slot.current()
 
     def _follow(self, watch: Callable[[], Any]) -> None:
         try:
@@ -65,6 +108,11 @@ class ReloadHandle:
             self._cond.notify_all()
 
     def done(self) -> bool:
+        slot = self._slot
+        if slot is not None and not self._watching and slot.current():
+            done = slot.words.done()
+            if done != FAILED:
+                return done >= self.layer_num
         with self._cond:
             return self._finished
 
@@ -73,10 +121,17 @@ class ReloadHandle:
         the reload failed, TimeoutError after `timeout` s."""
         if not is_int(layer) or not 0 <= layer < self.layer_num:
             raise ValueError(f"layer {layer!r} out of range [0, {self.layer_num})")
+        if self._slot_wait(layer + 1, timeout):
+            return
+        self._follow_watch()
         self._wait(lambda: self._layers_done > layer, timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every layer is reloaded (same errors as wait_layer)."""
+        if self._slot_wait(self.layer_num, timeout):
+            return
+        if not self._finished:
+            self._follow_watch()
         self._wait(lambda: self._finished, timeout)
 
     def _wait(self, ready: Callable[[], bool], timeout: float | None) -> None:

@@ -11,6 +11,7 @@ from hicache.api import KeyStatus, OpEvent
 from hicache.cache.prefetch import PrefetchHandle
 from hicache.sidecar.errors import UnknownId
 from hicache.transfer import TransferEngine
+from hicache.transfer.progress import FAILED, ProgressWords
 
 
 class Operation:
@@ -57,14 +58,22 @@ class Operation:
 
 
 def copy_layers(
-    engine: TransferEngine, op: Operation, host_pages: list[int], dev_pages: list[int], *, per_layer: bool
+    engine: TransferEngine,
+    op: Operation,
+    host_pages: list[int],
+    dev_pages: list[int],
+    *,
+    per_layer: bool,
+    progress: ProgressWords | None = None,
 ) -> int:
     """Reload host_pages into dev_pages, publishing each finished layer to `op` (layer by
-    layer as the copy goes when per_layer, else all at the end); returns the bytes copied.
-    A failure is published as FAILED and re-raised; DONE is the caller's to publish."""
+    layer as the copy goes when per_layer, else all at the end), and, per_layer, into the
+    `progress` words (a progress-block slot the engine waits on); returns the bytes copied.
+    A failure is published as FAILED (and FAILED into the words) and re-raised; DONE is the
+    caller's to publish."""
     try:
         if per_layer:
-            handle = engine.reload_async(host_pages, dev_pages)
+            handle = engine.reload_async(host_pages, dev_pages, progress=progress)
             for layer in range(op.layer_num):
                 handle.wait_layer_host(layer)  # on CUDA too: the engine reads it once announced
                 op.layer_done(layer, layer + 1)
@@ -75,6 +84,8 @@ def copy_layers(
             op.layer_done(layer, layer + 1)
         return nbytes
     except Exception as exc:
+        if progress is not None:
+            progress.publish_all(FAILED)  # a wait on the words ends; Watch says why
         op.failed(f"{type(exc).__name__}: {exc}", 0)
         raise
 

@@ -9,6 +9,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from hicache.api import EvictResult, KeyStatus, LookupResult, PoolStats, PrefetchOutcome, Tier, TransferResult
 from hicache.cache.index import HostIndex
@@ -20,9 +21,11 @@ from hicache.sidecar.errors import StateError
 from hicache.sidecar.events import PoolEvents
 from hicache.sidecar.operations import Operation, OperationTable, PrefetchTable, copy_layers, prefetch_statuses
 from hicache.sidecar.pool_stats import Counters, pool_stats
+from hicache.sidecar.progress_block import ProgressBlock
 from hicache.sidecar.registration import PoolIdentity
 from hicache.transfer import TransferEngine
 from hicache.transfer.engine import Backend
+from hicache.transfer.progress import ProgressWords
 from hicache.validate import is_int
 
 
@@ -64,6 +67,8 @@ class RegisteredPool:
         self._ops = OperationTable(finished_ops_kept)
         self._prefetches = PrefetchTable(finished_ops_kept)
         self._clock = clock
+        # where layer-wise reloads publish their layers for the engine (the native CPU path)
+        self.progress = ProgressBlock() if self.engine.backend == "native" else None
         self.events = events
         if events is not None:
             cache.index.observer = events.host
@@ -169,6 +174,8 @@ class RegisteredPool:
         )
         args = (op, loaded.keys, loaded.pages, pages[:n])
         nbytes = n * self.geometry.page_bytes
+        if layerwise and self.progress is not None:
+            return self._reload_layerwise(op, statuses, nbytes, args)
         if not layerwise:
             try:
                 self._copy_layers(*args, per_layer=False)
@@ -189,22 +196,62 @@ class RegisteredPool:
             raise
         return TransferResult(statuses, nbytes, op.op_id, False)
 
-    def _reload_worker(self, op: Operation, keys: list[bytes], host_pages: list[int], dev_pages: list[int]) -> None:
+    def _reload_layerwise(
+        self, op: Operation, statuses: tuple[KeyStatus, ...], nbytes: int, args: tuple[Any, ...]
+    ) -> TransferResult:
+        """A layer-wise reload that also publishes into a progress-block slot (when one is
+        free): the engine waits on the slot's words; Watch still has every event."""
+        assert self.progress is not None
+        taken = self.progress.acquire(self.engine.shares)
+        slot, generation, words = taken if taken is not None else (0, 0, None)
+        worker = threading.Thread(target=self._reload_worker, args=(*args, words, slot), daemon=True)
+        with self.lock:
+            self._busy += 1
         try:
-            self._copy_layers(op, keys, host_pages, dev_pages, per_layer=True)
+            worker.start()
+        except BaseException as exc:
+            self.cache.release(args[1])
+            self._done_one()
+            if words is not None:
+                self.progress.release(slot)
+            op.failed(f"{type(exc).__name__}: {exc}", 0)
+            raise
+        used = len(words) if words is not None else 0
+        return TransferResult(statuses, nbytes, op.op_id, False, slot, generation, used)
+
+    def _reload_worker(
+        self,
+        op: Operation,
+        keys: list[bytes],
+        host_pages: list[int],
+        dev_pages: list[int],
+        words: ProgressWords | None = None,
+        slot: int = 0,
+    ) -> None:
+        try:
+            self._copy_layers(op, keys, host_pages, dev_pages, per_layer=True, progress=words)
         except Exception:
             pass  # already published to the operation as FAILED
         finally:
             self.cache.release(keys)
+            if words is not None and self.progress is not None:
+                self.progress.release(slot)
             self._done_one()
 
     def _copy_layers(
-        self, op: Operation, keys: list[bytes], host_pages: list[int], dev_pages: list[int], *, per_layer: bool
+        self,
+        op: Operation,
+        keys: list[bytes],
+        host_pages: list[int],
+        dev_pages: list[int],
+        *,
+        per_layer: bool,
+        progress: ProgressWords | None = None,
     ) -> None:
         """Copy (one layer at a time when per_layer, publishing each), count, publish DONE or
         FAILED."""
         t0 = time.perf_counter()
-        nbytes = copy_layers(self.engine, op, host_pages, dev_pages, per_layer=per_layer)
+        nbytes = copy_layers(self.engine, op, host_pages, dev_pages, per_layer=per_layer, progress=progress)
         with self.lock:
             self.counters.reload_bytes += nbytes
             self.counters.reload_s += time.perf_counter() - t0 if host_pages else 0.0
@@ -323,6 +370,8 @@ class RegisteredPool:
                 self.events.unregistered()
             self.cache.storage.close()
             self.engine.close()
+            if self.progress is not None:
+                self.progress.close()
             self.host.close()
             self.device.close()
         finally:

@@ -154,6 +154,8 @@ class HiCacheService:
             identity.key_bytes,
             self.config.lease_timeout_s,
             identity.secret,
+            pool.progress.name if pool.progress is not None else "",
+            pool.progress.nbytes if pool.progress is not None else 0,
         )
 
     # ---- the host budget ------------------------------------------------------------------------

@@ -192,7 +192,7 @@ class TransferEngine:
                 handle = CudaTransferHandle(plan.layers, nbytes, pool, pages, events)
             else:
                 if progress is None and self.backend == "native":
-                    progress = ProgressWords.private(self._shares())
+                    progress = ProgressWords.private(self.shares)
                 if progress is not None:
                     progress.reset()
                 cpu_handle = CpuTransferHandle(plan.layers, nbytes, pool, pages, progress)
@@ -204,8 +204,10 @@ class TransferEngine:
             register(handle.done)
         return handle
 
-    def _shares(self) -> int:
-        """Copy shares of a large transfer: one per copy thread."""
+    @property
+    def shares(self) -> int:
+        """Copy shares of a large CPU transfer: one per copy thread (the progress words a
+        layer-wise reload can use)."""
         return self._copy_threads or torch.get_num_threads()
 
     def _drive(self, src: Pool, dst: Pool, plan: TransferPlan, handle: CpuTransferHandle) -> None:

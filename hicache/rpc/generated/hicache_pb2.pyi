@@ -123,7 +123,7 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., group: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., device_memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., key_hash: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., device_layout: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout", "pool_secret")
+    __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout", "pool_secret", "progress_shm_name", "progress_nbytes")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     HOST_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,8 @@ class RegisterPoolResponse(_message.Message):
     KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     POOL_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_NBYTES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     host_pages: int
     host_shm_name: str
@@ -144,7 +146,9 @@ class RegisterPoolResponse(_message.Message):
     key_bytes: int
     lease_timeout: _duration_pb2.Duration
     pool_secret: str
-    def __init__(self, pool_id: _Optional[str] = ..., host_pages: _Optional[int] = ..., host_shm_name: _Optional[str] = ..., host_layout: _Optional[str] = ..., host_nbytes: _Optional[int] = ..., geometry_fingerprint: _Optional[str] = ..., key_hash: _Optional[str] = ..., key_bytes: _Optional[int] = ..., lease_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., pool_secret: _Optional[str] = ...) -> None: ...
+    progress_shm_name: str
+    progress_nbytes: int
+    def __init__(self, pool_id: _Optional[str] = ..., host_pages: _Optional[int] = ..., host_shm_name: _Optional[str] = ..., host_layout: _Optional[str] = ..., host_nbytes: _Optional[int] = ..., geometry_fingerprint: _Optional[str] = ..., key_hash: _Optional[str] = ..., key_bytes: _Optional[int] = ..., lease_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., pool_secret: _Optional[str] = ..., progress_shm_name: _Optional[str] = ..., progress_nbytes: _Optional[int] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("request_id", "pool_id")
@@ -205,16 +209,22 @@ class ReloadRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ..., layerwise: _Optional[bool] = ...) -> None: ...
 
 class ReloadResponse(_message.Message):
-    __slots__ = ("statuses", "op_id", "done", "bytes_copied")
+    __slots__ = ("statuses", "op_id", "done", "bytes_copied", "progress_slot", "progress_generation", "progress_words")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_SLOT_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_WORDS_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
     op_id: str
     done: bool
     bytes_copied: int
-    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., op_id: _Optional[str] = ..., done: _Optional[bool] = ..., bytes_copied: _Optional[int] = ...) -> None: ...
+    progress_slot: int
+    progress_generation: int
+    progress_words: int
+    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., op_id: _Optional[str] = ..., done: _Optional[bool] = ..., bytes_copied: _Optional[int] = ..., progress_slot: _Optional[int] = ..., progress_generation: _Optional[int] = ..., progress_words: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("request_id", "pool_id", "keys", "policy")

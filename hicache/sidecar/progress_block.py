@@ -1,0 +1,67 @@
+"""A pool's progress block: shared memory the engine maps at registration, where the
+sidecar's copy publishes each layer-wise reload's progress, so that an engine waits for a
+layer on a futex in its own process instead of on a gRPC stream message per layer.
+
+The block is SLOTS slots of 16 32-bit words: word 0 is the slot's generation (bumped each
+time it is handed to a reload), words 1.. are the progress words of the reload's copy
+shares (hicache.transfer.progress). ReloadResponse names the slot, its generation and how
+many words the reload uses. Slots are reused oldest first; a reader that finds another
+generation in its slot (a reload long finished) asks Watch instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import numpy as np
+
+from hicache.memory import create_shm
+from hicache.transfer.progress import ProgressWords
+
+SLOTS = 256
+SLOT_WORDS = 16
+MAX_SHARES = SLOT_WORDS - 1
+
+
+class ProgressBlock:
+    """Thread-safe. close() unlinks the segment."""
+
+    def __init__(self, slots: int = SLOTS):
+        self.memory = create_shm(slots * SLOT_WORDS * 4)
+        self.words = self.memory.tensor.numpy().view(np.uint32).reshape(slots, SLOT_WORDS)
+        self._lock = threading.Lock()
+        self._free = deque(range(slots))
+        self._generation = 0
+
+    @property
+    def name(self) -> str:
+        return self.memory.handle.name
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.nbytes
+
+    def acquire(self, shares: int) -> tuple[int, int, ProgressWords] | None:
+        """(slot, generation, the slot's first `shares` words, zeroed), or None when every
+        slot is in use (the reload then reports through Watch only)."""
+        shares = max(1, min(shares, MAX_SHARES))
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.popleft()
+            self._generation = self._generation % 0xFFFFFFFE + 1
+            generation = self._generation
+        row = self.words[slot]
+        row[1:] = 0
+        words = ProgressWords(row[1 : 1 + shares])
+        words.publish(0, 0)  # a fence: the zeros are visible before the new generation
+        row[0] = generation
+        return slot, generation, words
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def close(self) -> None:
+        self.memory.close()

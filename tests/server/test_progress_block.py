@@ -1,0 +1,126 @@
+"""Layer-done signals without gRPC: a layer-wise reload publishes its layers into a slot of
+the pool's progress block, which the client maps at registration and waits on; Watch is
+only the fallback (a failed reload, a reused slot, a sidecar that offers no block)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from sidecar_util import filled_device, keys_for, mimo_geometries, pages_of
+
+from hicache.api import KeyStatus, TransferResult
+from hicache.client import HiCacheClient
+from hicache.client.handles import ProgressSlot, ReloadHandle
+from hicache.rpc.generated import hicache_pb2 as pb
+from hicache.sidecar.config import ServiceConfig
+from hicache.sidecar.progress_block import ProgressBlock
+from hicache.transfer import native
+from server import HiCacheServer, ServerConfig, create_server
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="progress blocks need the C extension")
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[HiCacheServer, str]]:
+    d = tempfile.mkdtemp(prefix="hc")
+    srv, address = create_server(
+        ServerConfig(socket=os.path.join(d, "hc.sock"), service=ServiceConfig(expected=mimo_geometries()))
+    )
+    yield srv, address
+    srv.stop(0)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class NoWatch:
+    """Stands in for the stub's Watch: counts calls and fails the test's reloads if used."""
+
+    def __init__(self, real: Any):
+        self.real, self.calls = real, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.real(*args, **kwargs)
+
+
+def test_layer_waits_read_the_progress_block_not_watch(served: tuple[HiCacheServer, str]) -> None:
+    _, address = served
+    client = HiCacheClient(address, timeout=30)
+    dev = filled_device(8, seed=1)
+    pool = client.register(dev)
+    assert client._blocks.slot(pool.pool_id, 0, 1, 1) is not None  # the block is mapped
+    keys = keys_for(4, seed=2)
+    want = pages_of(dev, [0, 1, 2, 3])
+    client.offload(keys, [0, 1, 2, 3])
+    watch = NoWatch(client._stub.Watch)
+    client._stub.Watch = watch  # type: ignore[method-assign]
+    for round_ in range(3):
+        h = client.reload(keys, [4, 5, 6, 7], layerwise=True)
+        assert h.statuses == (KeyStatus.LOADED,) * 4
+        for layer in range(h.layer_num):
+            h.wait_layer(layer, timeout=30)
+        h.wait(30)
+        assert h.done()
+        for got, page in zip(pages_of(dev, [4, 5, 6, 7]), want, strict=True):
+            assert torch.equal(got, page), round_
+    assert watch.calls == 0, "a layer wait went through Watch"
+    client.close()
+
+
+def test_a_failed_reload_is_reported_through_watch(served: tuple[HiCacheServer, str]) -> None:
+    srv, address = served
+    client = HiCacheClient(address, timeout=30)
+    pool = client.register(filled_device(8, seed=1))
+    keys = keys_for(2, seed=3)
+    client.offload(keys, [0, 1])
+    engine = srv.service.pool(pool.pool_id).engine  # type: ignore[attr-defined]
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("the copy broke")
+
+    engine._copy_all_layers = broken
+    h = client.reload(keys, [2, 3], layerwise=True)
+    with pytest.raises(RuntimeError, match="the copy broke"):
+        h.wait_layer(0, timeout=30)
+    with pytest.raises(RuntimeError, match="the copy broke"):
+        h.wait(30)
+    client.close()
+
+
+def test_a_reused_slot_falls_back_to_watch() -> None:
+    row = np.zeros(16, dtype=np.uint32)
+    row[0] = 7  # another reload's generation now
+    events = [pb.WatchEvent(kind=pb.WatchEvent.KIND_LAYER_DONE, layer=0, layers_done=1, layer_num=2)]
+    events.append(pb.WatchEvent(kind=pb.WatchEvent.KIND_DONE, layers_done=2, layer_num=2))
+    watched: list[int] = []
+
+    def watch() -> Any:
+        watched.append(1)
+        return iter(events)
+
+    result = TransferResult((KeyStatus.LOADED,), 10, "op-1", False)
+    h = ReloadHandle(result, 2, watch, ProgressSlot(row, generation=6, words=1))
+    h.wait(10)
+    assert watched == [1] and h.done()
+
+
+def test_slots_are_handed_out_oldest_first_with_new_generations() -> None:
+    block = ProgressBlock(slots=2)
+    try:
+        a = block.acquire(2)
+        b = block.acquire(20)  # capped at the slot's 15 words
+        assert a is not None and b is not None and block.acquire(1) is None
+        assert (a[0], b[0]) == (0, 1) and b[1] == a[1] + 1 and len(b[2]) == 15
+        assert int(block.words[0, 0]) == a[1]
+        block.release(a[0])
+        c = block.acquire(1)
+        assert c is not None and c[0] == 0 and c[1] == b[1] + 1 and int(block.words[0, 0]) == c[1]
+        assert not c[2].array.any()  # zeroed for its new reload
+    finally:
+        block.close()
