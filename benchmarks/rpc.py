@@ -12,6 +12,12 @@ keys stay resident for the Lookups.
   sidecar_gbps     bytes / wall time of client.offload(256 pages), RPC included
   engine_gbps      TransferEngine.offload of the same device pages into scattered host pages, in this process
   memcpy_gbps      one contiguous copy of the same number of bytes
+  echo             the floor of one call: the health service's Check, a bare unary RPC on the same socket
+  reload_layerwise_1  Reload of one page, layer-wise, waited for layer by layer (wait_layer for
+                   every layer, then wait): the call and the waits, over `echo` in
+                   reload_layerwise_over_echo
+  layer_waits      the layer waits alone (after the Reload call returned), over one echo call in
+                   layer_waits_over_echo: what an engine pays per forward for the layer signals
 """
 
 from __future__ import annotations
@@ -68,6 +74,40 @@ def timed(fn: Callable[[int], Any], iters: int, warmup: int = 3) -> list[float]:
     return out
 
 
+def layer_signals(client: HiCacheClient, sock: str, key: bytes, layers: int, iters: int) -> dict[str, Any]:
+    """The echo floor, a layer-wise 1-page Reload waited per layer, and the layer waits alone."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        echo = timed(lambda i: health.Check(health_pb2.HealthCheckRequest(service="")), iters)
+
+    def reload_waited(_: int) -> None:
+        h = client.reload([key], [1], layerwise=True)
+        for layer in range(layers):
+            h.wait_layer(layer)
+        h.wait()
+
+    reload = timed(reload_waited, iters)
+    waits = []
+    for _ in range(iters):
+        h = client.reload([key], [1], layerwise=True)
+        t0 = time.perf_counter()
+        for layer in range(layers):
+            h.wait_layer(layer)
+        h.wait()
+        waits.append(time.perf_counter() - t0)
+    floor = statistics.median(echo)
+    return {
+        "echo": percentiles(echo),
+        "reload_layerwise_1": percentiles(reload),
+        "reload_layerwise_over_echo": statistics.median(reload) / floor,
+        "layer_waits": {**percentiles(waits), "layers": layers},
+        "layer_waits_over_echo": statistics.median(waits) / floor,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     g = model_geometries(load_config(None), tp_size=1, page_size=args.page_size, dtype="bfloat16")["full"]
@@ -102,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         rows["lookup_1"] = percentiles(timed(lambda i: client.lookup(resident[:1]), args.iters))
         rows["lookup_1000"] = percentiles(timed(lambda i: client.lookup(resident), args.iters))
         rows["offload_1"] = percentiles(timed(lambda i: client.offload(fresh(1), [0]), args.iters))
+        rows.update(layer_signals(client, sock, resident[0], g.layer_num, args.iters))
         big = list(range(args.pages))
         big_samples = timed(lambda i: client.offload(fresh(args.pages), big), args.big_iters)
         rows[f"offload_{args.pages}"] = percentiles(big_samples)
@@ -136,8 +177,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print(f"hicache sidecar over UDS: {rows['geometry']}, page_bytes {g.page_bytes}")
-    for name in ("lookup_1", "lookup_1000", "offload_1", f"offload_{args.pages}"):
-        print(f"  {name:14} p50 {rows[name]['p50_ms']:9.3f} ms   p99 {rows[name]['p99_ms']:9.3f} ms")
+    for name in (
+        "echo",
+        "lookup_1",
+        "lookup_1000",
+        "offload_1",
+        "reload_layerwise_1",
+        "layer_waits",
+        f"offload_{args.pages}",
+    ):
+        print(f"  {name:18} p50 {rows[name]['p50_ms']:9.3f} ms   p99 {rows[name]['p99_ms']:9.3f} ms")
+    print(
+        f"  layer-wise 1-page Reload / echo {rows['reload_layerwise_over_echo']:.2f}; "
+        f"{rows['layer_waits']['layers']} layer waits / echo {rows['layer_waits_over_echo']:.2f}"
+    )
     b = rows["offload_bandwidth"]
     print(
         f"  offload {b['pages']} pages ({b['bytes'] / 1e6:.0f} MB): sidecar {b['sidecar_gbps']:.2f} GB/s, "

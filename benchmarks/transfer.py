@@ -8,6 +8,13 @@ Every figure is the median of --repeat runs. Page lists are random (seeded) and 
 drawn from pools twice the transfer size. Ratios:
   offload_ratio / reload_ratio  engine GB/s over memcpy GB/s of the same direction
   naive_ratio                   torch index_select + index_copy_ over token rows (both directions, mean)
+  pageN_offload_ratio / pageN_reload_ratio (N = 1, 4, 16)  the same for transfers of N pages
+                                (fixed per-call costs), with pageN_*_us the engine's time
+  layerwise_over_plain          a layer-wise reload (reload_async, wait_layer for every layer,
+                                wait) over a plain reload of the same pages: the full transfer,
+                                and layerwise_over_plain_1page for one page
+  layerwise_busy_over_plain     the layer-wise reload while another Python thread spins,
+                                over the plain reload with no such thread (GIL hand-offs)
 memcpy is `dst.copy_(src)` of pages * page_bytes contiguous bytes between the two pools' memory.
 With the CPU "native" backend, which writes with streaming (non-temporal) stores, the same
 contiguous bytes are also copied by that C code over the same threads ("stream memcpy", the
@@ -20,6 +27,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +42,6 @@ from hicache import DeviceKVPool, HostKVPool, KVGeometry, TransferEngine
 from hicache.pools import LAYOUTS
 from hicache.pools.flat import FlatPool
 from hicache.transfer import native
-from hicache.transfer.cpu import CpuCopier
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "hicache" / "data" / "mimo_v2_flash.json"
 
@@ -114,13 +121,87 @@ def naive_copy(src: FlatPool, dst: FlatPool, src_pages: np.ndarray, dst_pages: n
             d_rows[layer].index_copy_(0, d_slots, s_rows[layer].index_select(0, s_slots).to(d_rows.device))
 
 
-def stream_memcpy(src: FlatPool, dst: FlatPool, nbytes: int, copier: CpuCopier) -> Callable[[], None]:
-    """A contiguous copy of the first nbytes through the native path's C copy, on `copier`'s threads."""
+def stream_memcpy(src: FlatPool, dst: FlatPool, nbytes: int, threads: int) -> Callable[[], None]:
+    """A contiguous copy of the first nbytes through the native path's C copy, on as many
+    threads as the engine's copies use."""
     starts = np.arange(0, nbytes, native.MERGE_CAP, dtype=np.int64)
     sizes = np.minimum(native.MERGE_CAP, nbytes - starts)
     descs = np.stack([starts, starts, np.ones_like(starts), sizes, sizes, sizes], axis=1)
-    calls = native.copy_calls(src, dst, native.CopyBatch(descs), copier.threads, streaming=True)
-    return lambda: copier.run_calls(calls)
+    return native.batch_call(src, dst, native.CopyBatch(descs), threads, streaming=True)
+
+
+def layerwise(engine: TransferEngine, host_pages: np.ndarray, dev_pages: np.ndarray, layers: int) -> None:
+    handle = engine.reload_async(host_pages, dev_pages)
+    for layer in range(layers):
+        handle.wait_layer(layer)
+    handle.wait()
+
+
+class BusyThread:
+    """A Python thread that spins (holding the GIL whenever it can) while in the `with` block."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+
+    def __enter__(self) -> BusyThread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def small_rounds(
+    engine: TransferEngine, device: FlatPool, host: FlatPool, d: np.ndarray, h: np.ndarray, reps: int
+) -> dict[str, list[float]]:
+    """Offload / reload of pages d <-> h, interleaved with memcpy of their bytes."""
+    nbytes = len(d) * device.geometry.page_bytes
+    dev_bytes, host_bytes = device.flat[:nbytes], host.flat[:nbytes]
+    fns = {
+        "d2h": lambda: host_bytes.copy_(dev_bytes),
+        "offload": lambda: engine.offload(d, h),
+        "h2d": lambda: dev_bytes.copy_(host_bytes),
+        "reload": lambda: engine.reload(h, d),
+    }
+    return interleaved(fns, reps, "cpu")
+
+
+def layerwise_rounds(engine: TransferEngine, d: np.ndarray, h: np.ndarray, layers: int, reps: int) -> list[float]:
+    """Per round: a layer-wise reload's time over a plain reload's, of the same pages."""
+    fns = {"plain": lambda: engine.reload(h, d), "layerwise": lambda: layerwise(engine, h, d, layers)}
+    rounds = interleaved(fns, reps, "cpu")
+    return [lw / p for p, lw in zip(rounds["plain"], rounds["layerwise"], strict=True)]
+
+
+def fixed_costs(
+    engine: TransferEngine, device: FlatPool, host: FlatPool, dev_pages: np.ndarray, host_pages: np.ndarray, repeat: int
+) -> dict[str, float]:
+    """Small transfers against memcpy of their bytes, and layer-wise over plain reloads (CPU)."""
+    g, out = device.geometry, {}
+    reps = max(repeat, 20)  # short calls: more rounds for a stable median
+    for n in (1, 4, 16):
+        if n > len(dev_pages):
+            continue
+        rounds = small_rounds(engine, device, host, dev_pages[:n], host_pages[:n], reps)
+        for name, base in (("offload", "d2h"), ("reload", "h2d")):
+            pairs = zip(rounds[base], rounds[name], strict=True)
+            out[f"page{n}_{name}_ratio"] = statistics.median(m / e for m, e in pairs)
+            out[f"page{n}_{name}_us"] = statistics.median(rounds[name]) * 1e6
+    out["layerwise_over_plain"] = statistics.median(layerwise_rounds(engine, dev_pages, host_pages, g.layer_num, reps))
+    one = layerwise_rounds(engine, dev_pages[:1], host_pages[:1], g.layer_num, reps)
+    out["layerwise_over_plain_1page"] = statistics.median(one)
+    plain = median_seconds(lambda: engine.reload(host_pages, dev_pages), reps, "cpu")
+    with BusyThread():
+        busy = median_seconds(lambda: layerwise(engine, host_pages, dev_pages, g.layer_num), reps, "cpu")
+    out["layerwise_busy_over_plain"] = busy / plain
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -147,15 +228,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "h2d": lambda: dev_bytes.copy_(host_bytes),
         "reload": lambda: engine.reload(host_pages, dev_pages),
     }
-    copier = CpuCopier() if engine.backend == "native" else None
-    if copier is not None:
-        fns["d2h_stream"] = stream_memcpy(device, host, nbytes, copier)
-        fns["h2d_stream"] = stream_memcpy(host, device, nbytes, copier)
-    try:
-        rounds = interleaved(fns, args.repeat, dev_name)
-    finally:
-        if copier is not None:
-            copier.close()
+    streamed = engine.backend == "native"
+    if streamed:
+        fns["d2h_stream"] = stream_memcpy(device, host, nbytes, engine.shares)
+        fns["h2d_stream"] = stream_memcpy(host, device, nbytes, engine.shares)
+    rounds = interleaved(fns, args.repeat, dev_name)
     gb = nbytes / 1e9
     med = {k: statistics.median(v) for k, v in rounds.items()}
     out: dict[str, Any] = {
@@ -167,12 +244,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "offload_ratio": statistics.median(m / e for m, e in zip(rounds["d2h"], rounds["offload"], strict=True)),
         "reload_ratio": statistics.median(m / e for m, e in zip(rounds["h2d"], rounds["reload"], strict=True)),
     }
-    if copier is not None:
+    if streamed:
         out["stream_memcpy_d2h_gbps"] = gb / med["d2h_stream"]
         out["stream_memcpy_h2d_gbps"] = gb / med["h2d_stream"]
         for name, base in (("offload", "d2h_stream"), ("reload", "h2d_stream")):
             pairs = zip(rounds[base], rounds[name], strict=True)
             out[f"{name}_stream_ratio"] = statistics.median(m / e for m, e in pairs)
+    if not args.device.startswith("cuda"):
+        out.update(fixed_costs(engine, device, host, dev_pages, host_pages, args.repeat))
     t_d2h, t_h2d = med["d2h"], med["h2d"]
     if not args.no_naive:
         naive_repeat = max(1, min(3, args.repeat))
@@ -219,6 +298,17 @@ def table(r: dict[str, Any]) -> str:
         lines.append(line + (f" {vs_stream:10.3f}" if vs_stream is not None else ""))
     if "naive_ratio" in r:
         lines.append(f"{'naive index_copy (mean)':24} {'':8} {r['naive_ratio']:7.3f}")
+    for n in (1, 4, 16):
+        if f"page{n}_offload_ratio" in r:
+            lines.append(
+                f"{n:>2}-page offload / reload: {r[f'page{n}_offload_us']:.0f} / {r[f'page{n}_reload_us']:.0f} us, "
+                f"ratio {r[f'page{n}_offload_ratio']:.3f} / {r[f'page{n}_reload_ratio']:.3f}"
+            )
+    if "layerwise_over_plain" in r:
+        lines.append(
+            f"layer-wise / plain reload: {r['layerwise_over_plain']:.2f} (1 page {r['layerwise_over_plain_1page']:.2f}); "
+            f"with a busy Python thread: {r['layerwise_busy_over_plain']:.2f}"
+        )
     return "\n".join(lines)
 
 

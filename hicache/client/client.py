@@ -73,6 +73,7 @@ class RegisteredPool:
     geometry_fingerprint: str
     lease_timeout_s: float
     secret: str = field(default="", repr=False)  # sent with every call naming the pool
+    progress_shm_name: str = ""  # the pool's progress block (layer-wise reloads), "" for none
 
 
 PoolRef = RegisteredPool | str | None  # pool=: what register() returned, its pool_id, or the default
@@ -222,6 +223,7 @@ class HiCacheClient:
             r.geometry_fingerprint,
             r.lease_timeout.ToNanoseconds() / 1e9,
             r.pool_secret,
+            r.progress_shm_name,
         )
         self._pools[info.pool_id] = info
         self._secrets[info.pool_id] = r.pool_secret

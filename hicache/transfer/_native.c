@@ -6,11 +6,12 @@
  * overlap on the destination, which also bounds the work), then copies with the GIL
  * released, so several Python threads can each run a share of one transfer at a time.
  *
- * copy_layers() does the same for a whole transfer of several layers in one call: after each
- * layer's descriptors it stores the count of layers done into a 32-bit progress word (release
- * order) and wakes its futex waiters, so another thread, or another process that maps the
- * word (a shared-memory progress block), waits for a layer with wait_progress() without
- * holding the GIL and without a message per layer.
+ * copy_shares() does the same for a whole transfer of several layers, cut into shares that run
+ * on threads of their own (share 0 in the calling thread), all in one call without the GIL:
+ * after each layer, a share stores the count of layers it has done into its 32-bit progress
+ * word (release order) and wakes its futex waiters, so another thread, or another process
+ * that maps the word (a shared-memory progress block), waits for a layer with
+ * wait_progress() without holding the GIL and without a message per layer.
  *
  * With streaming=True, x86-64 builds write with non-temporal stores: a transfer larger than
  * the caches saves the read-for-ownership traffic that ordinary stores cost (each destination
@@ -24,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+
+#include <pthread.h>
 
 #ifdef __linux__
 #include <linux/futex.h>
@@ -297,71 +300,166 @@ static PyObject *wait_progress(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(seen);
 }
 
-/* copy_layers(dst_addr, dst_size, src_addr, src_size, descriptors, layer_ends, group, streaming,
- * progress_addr): the descriptors of layer i are [layer_ends[i-1], layer_ends[i]); after each
- * layer, publish i + 1 to the progress word (when progress_addr is not 0). */
-static PyObject *copy_layers(PyObject *self, PyObject *args) {
-    uintptr_t dst_addr, src_addr, progress_addr;
-    long long dst_size, src_size;
-    PyObject *desc_obj, *ends_obj;
-    Py_ssize_t group, n;
+/* ---- one call, several threads ------------------------------------------------------ */
+
+typedef struct {
+    char *dst;
+    const char *src;
+    CopyDesc *descs;
+    int64_t *ends;
+    Py_ssize_t layers, group;
     int streaming;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "O&LO&LOOnpO&", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
-                          &desc_obj, &ends_obj, &group, &streaming, to_address, &progress_addr))
-        return NULL;
-    if (check_buffers(dst_addr, dst_size, src_addr, src_size, group) < 0)
-        return NULL;
-    if (progress_addr % 4 != 0)
-        return PyErr_Format(PyExc_ValueError, "the progress word must be 4-byte aligned");
-    Py_buffer ends_view;
-    if (PyObject_GetBuffer(ends_obj, &ends_view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return NULL;
-    if (ends_view.itemsize != 8 || !is_int64_format(ends_view.format) || ends_view.ndim != 1) {
-        PyBuffer_Release(&ends_view);
-        return PyErr_Format(PyExc_ValueError, "layer_ends must be a C-contiguous 1-d int64 array");
+    uint32_t *progress;
+} Share;
+
+static void run_share(const Share *sh) {
+    for (Py_ssize_t i = 0; i < sh->layers; i++) {
+        int64_t first = i == 0 ? 0 : sh->ends[i - 1];
+        Py_ssize_t count = (Py_ssize_t)(sh->ends[i] - first);
+        if (count > 0)
+            copy_all(sh->dst, sh->src, sh->descs + first, count, sh->group < count ? sh->group : count, sh->streaming);
+        if (sh->progress != NULL)
+            publish_word(sh->progress, (uint32_t)(i + 1));
     }
-    Py_ssize_t layers = ends_view.shape[0];
+}
+
+static void *share_thread(void *arg) {
+    run_share((const Share *)arg);
+    return NULL;
+}
+
+/* ends as a private int64 copy checked against n descriptors, or NULL with an exception. */
+static int64_t *load_ends(PyObject *ends_obj, Py_ssize_t n, Py_ssize_t *layers_out) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(ends_obj, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (v.itemsize != 8 || !is_int64_format(v.format) || v.ndim != 1) {
+        PyBuffer_Release(&v);
+        PyErr_Format(PyExc_ValueError, "layer_ends must be a C-contiguous 1-d int64 array");
+        return NULL;
+    }
+    Py_ssize_t layers = v.shape[0];
     int64_t *ends = PyMem_Malloc(layers > 0 ? (size_t)layers * sizeof(int64_t) : 1);
     if (ends == NULL) {
-        PyBuffer_Release(&ends_view);
-        return PyErr_NoMemory();
-    }
-    memcpy(ends, ends_view.buf, (size_t)layers * sizeof(int64_t));
-    PyBuffer_Release(&ends_view);
-    CopyDesc *descs = load_descs(desc_obj, &n, dst_size, src_size);
-    if (descs == NULL) {
-        PyMem_Free(ends);
+        PyBuffer_Release(&v);
+        PyErr_NoMemory();
         return NULL;
     }
+    memcpy(ends, v.buf, (size_t)layers * sizeof(int64_t));
+    PyBuffer_Release(&v);
     for (Py_ssize_t i = 0; i < layers; i++) {
         int64_t before = i == 0 ? 0 : ends[i - 1];
         if (ends[i] < before || ends[i] > n || (i == layers - 1 && ends[i] != n)) {
+            PyErr_Format(PyExc_ValueError, "layer_ends must rise to the descriptor count %zd; entry %zd is %lld", n, i,
+                         (long long)ends[i]);
             PyMem_Free(ends);
-            PyMem_Free(descs);
-            return PyErr_Format(PyExc_ValueError, "layer_ends must rise to the descriptor count %zd; entry %zd is %lld",
-                                n, i, (long long)ends[i]);
+            return NULL;
         }
     }
     if (layers == 0 && n != 0) {
+        PyErr_Format(PyExc_ValueError, "%zd descriptors but no layer", n);
         PyMem_Free(ends);
-        PyMem_Free(descs);
-        return PyErr_Format(PyExc_ValueError, "%zd descriptors but no layer", n);
+        return NULL;
     }
+    *layers_out = layers;
+    return ends;
+}
+
+static void free_shares(Share *shares, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyMem_Free(shares[i].descs);
+        PyMem_Free(shares[i].ends);
+    }
+    PyMem_Free(shares);
+}
+
+/* copy_shares(dst_addr, dst_size, src_addr, src_size, shares, group, streaming, progress_addrs):
+ * shares is a sequence of (descriptors, layer_ends), progress_addrs one address (0: none) per
+ * share. Share 0 runs in the calling thread, the others each on a thread of its own; returns
+ * when all are done. Everything is checked before any copy starts. */
+static PyObject *copy_shares(PyObject *self, PyObject *args) {
+    uintptr_t dst_addr, src_addr;
+    long long dst_size, src_size;
+    PyObject *shares_obj, *progress_obj;
+    Py_ssize_t group;
+    int streaming;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O&LO&LOnpO", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
+                          &shares_obj, &group, &streaming, &progress_obj))
+        return NULL;
+    if (check_buffers(dst_addr, dst_size, src_addr, src_size, group) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(shares_obj, "shares must be a sequence of (descriptors, layer_ends)");
+    if (seq == NULL)
+        return NULL;
+    PyObject *pseq = PySequence_Fast(progress_obj, "progress_addrs must be a sequence of ints");
+    if (pseq == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count < 1 || count > 64 || PySequence_Fast_GET_SIZE(pseq) != count) {
+        Py_DECREF(seq);
+        Py_DECREF(pseq);
+        return PyErr_Format(PyExc_ValueError, "need 1 to 64 shares and one progress address each, got %zd and %zd",
+                            count, PySequence_Fast_GET_SIZE(pseq));
+    }
+    Share *shares = PyMem_Calloc((size_t)count, sizeof(Share));
+    if (shares == NULL) {
+        Py_DECREF(seq);
+        Py_DECREF(pseq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *descs_obj, *ends_obj;
+        uintptr_t progress;
+        Py_ssize_t n;
+        if (!PyArg_ParseTuple(item, "OO", &descs_obj, &ends_obj) ||
+            !to_address(PySequence_Fast_GET_ITEM(pseq, i), &progress))
+            goto fail;
+        if (progress % 4 != 0) {
+            PyErr_Format(PyExc_ValueError, "progress word %zd must be 4-byte aligned", i);
+            goto fail;
+        }
+        shares[i].descs = load_descs(descs_obj, &n, dst_size, src_size);
+        if (shares[i].descs == NULL)
+            goto fail;
+        shares[i].ends = load_ends(ends_obj, n, &shares[i].layers);
+        if (shares[i].ends == NULL)
+            goto fail;
+        shares[i].dst = (char *)dst_addr;
+        shares[i].src = (const char *)src_addr;
+        shares[i].group = group;
+        shares[i].streaming = streaming;
+        shares[i].progress = (uint32_t *)progress;
+    }
+    Py_DECREF(seq);
+    Py_DECREF(pseq);
+    int failed = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < layers; i++) {
-        int64_t first = i == 0 ? 0 : ends[i - 1];
-        Py_ssize_t count = (Py_ssize_t)(ends[i] - first);
-        if (count > 0)
-            copy_all((char *)dst_addr, (const char *)src_addr, descs + first, count, group < count ? group : count,
-                     streaming);
-        if (progress_addr != 0)
-            publish_word((uint32_t *)progress_addr, (uint32_t)(i + 1));
+    pthread_t threads[64];
+    Py_ssize_t started = 0;
+    for (Py_ssize_t i = 1; i < count; i++) {
+        if (pthread_create(&threads[i], NULL, share_thread, &shares[i]) != 0)
+            break;
+        started = i;
     }
+    run_share(&shares[0]);
+    for (Py_ssize_t i = started + 1; i < count; i++) /* threads that could not start: run here */
+        run_share(&shares[i]);
+    for (Py_ssize_t i = 1; i <= started; i++)
+        failed |= pthread_join(threads[i], NULL) != 0;
     Py_END_ALLOW_THREADS
-    PyMem_Free(ends);
-    PyMem_Free(descs);
+    free_shares(shares, count);
+    if (failed)
+        return PyErr_Format(PyExc_OSError, "a copy thread could not be joined");
     Py_RETURN_NONE;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(pseq);
+    free_shares(shares, count);
+    return NULL;
 }
 
 static PyMethodDef methods[] = {
@@ -371,16 +469,15 @@ static PyMethodDef methods[] = {
      "(n, 6) array from the src buffer to the dst buffer, row-interleaved within groups of\n"
      "`group` descriptors. Raises ValueError, before copying anything, if a descriptor\n"
      "reaches outside either buffer."},
-    {"copy_layers", copy_layers, METH_VARARGS,
-     "copy_layers(dst_addr, dst_size, src_addr, src_size, descriptors, layer_ends, group, streaming,\n"
-     "            progress_addr) -> None\n\n"
-     "copy_rows for a transfer of several layers in one call: layer i's descriptors are\n"
-     "[layer_ends[i-1], layer_ends[i]); after each layer, i + 1 is stored into the 32-bit word at\n"
-     "progress_addr (0: none) and its futex waiters are woken. Checks everything first."},
     {"wait_progress", wait_progress, METH_VARARGS,
      "wait_progress(addr, target, timeout_s) -> int\n\n"
      "Wait, without the GIL, until the 32-bit word at addr is >= target or timeout_s seconds\n"
      "pass (< 0: no limit); returns the value read last."},
+    {"copy_shares", copy_shares, METH_VARARGS,
+     "copy_shares(dst_addr, dst_size, src_addr, src_size, shares, group, streaming, progress_addrs) -> None\n\n"
+     "copy_layers for several shares at once: share 0 in this thread, each other one on a thread\n"
+     "of its own, all without the GIL; shares is a sequence of (descriptors, layer_ends) and\n"
+     "progress_addrs one word address (0: none) per share. Checks everything first."},
     {"publish", publish, METH_VARARGS,
      "publish(addr, value) -> None\n\nStore value into the 32-bit word at addr and wake its waiters."},
     {NULL, NULL, 0, NULL},

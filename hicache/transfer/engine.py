@@ -196,7 +196,7 @@ class TransferEngine:
                 if progress is not None:
                     progress.reset()
                 cpu_handle = CpuTransferHandle(plan.layers, nbytes, pool, pages, progress)
-                if self.backend == "native" and nbytes < INLINE_BYTES:
+                if self.backend == "native" and nbytes < native.SMALL_BYTES:
                     self._drive(src, dst, plan, cpu_handle)  # small: here, no hand-off to a thread
                 else:
                     self._driver_pool().submit(self._drive, src, dst, plan, cpu_handle)
@@ -224,19 +224,13 @@ class TransferEngine:
             handle.finish()
 
     def _copy_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords) -> None:
-        """Every layer in one C call per share, each publishing its layers into its word."""
+        """Every layer in one C call, its shares on threads of the C code's own (no Python
+        thread hand-offs), each publishing its layers into its word."""
         batch = native.layered(src, dst, plan, plan.layers)
-        copier = self._cpu_copier(batch.nbytes)
-        shares = 1
-        if copier is not None and batch.nbytes >= INLINE_BYTES:
-            shares = max(1, min(len(words), copier.threads))
+        shares = max(1, min(len(words), self.shares)) if batch.nbytes >= native.SMALL_BYTES else 1
         for spare in range(shares, len(words)):  # words no share writes: done from the start
             words.publish(spare, len(plan.layers))
-        calls = native.layered_calls(src, dst, batch, words.addresses[:shares])
-        if copier is not None and shares > 1:
-            copier.run_calls(calls)
-        else:
-            calls[0]()
+        native.layered_call(src, dst, batch, words.addresses[:shares])()
 
     # ---- execution -------------------------------------------------------------------------
     def _run(self, src: Pool, dst: Pool, plan: TransferPlan, *, load: bool) -> None:
@@ -256,12 +250,8 @@ class TransferEngine:
             return
         if self.backend == "native":
             batch = native.descriptors(src, dst, plan, plan.layers if layers is None else layers)
-            copier = self._cpu_copier(batch.nbytes)
-            if copier is not None and batch.nbytes >= INLINE_BYTES:
-                copier.run_calls(native.copy_calls(src, dst, batch, copier.threads))
-            else:  # small: one share, in this thread
-                for call in native.copy_calls(src, dst, batch, 1):
-                    call()
+            shares = self.shares if batch.nbytes >= native.SMALL_BYTES else 1  # small: this thread only
+            native.batch_call(src, dst, batch, shares)()
             return
         runs = None if layers is None else [(layer, 1) for layer in layers]
         dsts, srcs = copy_views(self._views[id(src)], self._views[id(dst)], plan, runs)

@@ -4,8 +4,11 @@ Every (page, layer, buffer) chunk of a transfer becomes a descriptor (dst, src, 
 row_bytes, dst_stride, src_stride) computed from the two layouts' strides with numpy, in
 destination order; chunks adjacent on both sides (page runs) merge into copies of about
 MERGE_CAP bytes. The C extension (_native.c) copies a whole descriptor array per call with
-the GIL released, so the Python cost is per transfer, not per page, and the copy threads
-run in parallel. Transfers of STREAM_MIN_BYTES or more use non-temporal stores.
+the GIL released, cut into shares that run on threads of its own (batch_call), so the
+Python cost is per transfer, not per page, and no Python thread hands work to another. A
+layer-wise transfer is one such call too (layered, layered_call): each share publishes
+the layers it has done into a progress word. Transfers below SMALL_BYTES are copied by the
+calling thread, unsorted; those of STREAM_MIN_BYTES or more use non-temporal stores.
 
 Without the compiled extension (no C compiler at install time) available() is False and
 the engine uses torch copies instead.
@@ -30,6 +33,7 @@ except ImportError:  # built by setup.py where a C compiler exists
     _native = None
 
 MERGE_CAP = 1 << 20  # merged copies end once past this (so at most MERGE_CAP + one chunk): even shares
+SMALL_BYTES = 4 << 20  # a transfer below this is copied by the calling thread, chunk by chunk, unsorted
 STREAM_MIN_BYTES = 16 << 20  # about half the L3 of a server core complex; below it stay cached
 
 DST, SRC, ROWS, ROW_BYTES, DST_STRIDE, SRC_STRIDE = range(6)
@@ -47,7 +51,7 @@ class CopyBatch:
     descs: np.ndarray
     group: int = 1
 
-    @cached_property  # read by the engine (threads or not) and by copy_calls (streaming or not)
+    @cached_property  # read by the engine (threads or not) and by batch_call (streaming or not)
     def nbytes(self) -> int:
         return int((self.descs[:, ROWS] * self.descs[:, ROW_BYTES]).sum()) if len(self.descs) else 0
 
@@ -78,6 +82,8 @@ def descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequen
         part[:, ROWS:] = shape
         parts.append(part)
     descs = np.concatenate(parts)
+    if plan.num_pages * src.geometry.page_bytes_for(layer_arr.size) < SMALL_BYTES:
+        return CopyBatch(descs)  # a few chunks: sorting and merging cost more than they save
     if not all(s.chunk_contiguous for s in src.layout.strides):
         # Walk the source's pages in address order, row by row across their chunks: strided
         # reads are what the prefetcher punishes (measured: 0.45 -> 1.1 of copy_ on reload).
@@ -132,6 +138,8 @@ def split(batch: CopyBatch, shares: int) -> list[np.ndarray]:
     descs, group = batch.descs, batch.group
     if len(descs) == 0:
         return []
+    if shares == 1:
+        return [descs]
     ends = np.cumsum(descs[:, ROWS] * descs[:, ROW_BYTES])
     cuts = np.searchsorted(ends, ends[-1] * np.arange(1, shares) / shares, side="right")
     cuts = np.unique(-(-cuts // group) * group)  # up to a group boundary
@@ -217,19 +225,21 @@ def layered_shares(batch: LayeredBatch, shares: int) -> list[tuple[np.ndarray, n
     ]
 
 
-def layered_calls(
+def layered_call(
     src: FlatPool, dst: FlatPool, batch: LayeredBatch, progress: Sequence[int], streaming: bool | None = None
-) -> list[Callable[[], None]]:
-    """One call per progress word's address: copy_layers of its share of every layer,
-    publishing each layer done to that word (each call releases the GIL)."""
+) -> Callable[[], None]:
+    """One call that copies the batch in len(progress) shares, each on a thread of its own
+    (the first in the calling thread) and publishing its layers into its word (an address;
+    0: none), without the GIL; returns when all shares are done."""
     assert _native is not None, "the hicache C extension is not built"
     if streaming is None:
         streaming = batch.nbytes >= STREAM_MIN_BYTES
-    copy = partial(_native.copy_layers, dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes)
-    return [
-        partial(copy, descs, ends, batch.group, streaming, addr)
-        for (descs, ends), addr in zip(layered_shares(batch, len(progress)), progress, strict=True)
-    ]
+    shares = layered_shares(batch, len(progress))
+    return partial(
+        _native.copy_shares,
+        dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes,
+        shares, batch.group, streaming, list(progress),
+    )  # fmt: skip
 
 
 def publish(address: int, value: int) -> None:
@@ -244,16 +254,17 @@ def wait_progress(address: int, target: int, timeout_s: float) -> int:
     return int(_native.wait_progress(address, target, timeout_s))
 
 
-def copy_calls(
+def batch_call(
     src: FlatPool, dst: FlatPool, batch: CopyBatch, shares: int, streaming: bool | None = None
-) -> list[Callable[[], None]]:
-    """One call per share that copies its descriptors from src to dst (each releases the GIL).
-
-    Each call checks its own share before copying (ValueError); shares are independent.
-    streaming: non-temporal stores; None picks them for batches of STREAM_MIN_BYTES or more.
-    """
+) -> Callable[[], None]:
+    """One call that copies the batch in up to `shares` parts, each on a thread of the C
+    code's own (the first in the calling thread), without the GIL."""
     assert _native is not None, "the hicache C extension is not built"
     if streaming is None:
         streaming = batch.nbytes >= STREAM_MIN_BYTES
-    copy = partial(_native.copy_rows, dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes)
-    return [partial(copy, part, batch.group, streaming) for part in split(batch, shares)]
+    parts = split(batch, shares) or [batch.descs]
+    return partial(
+        _native.copy_shares,
+        dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes,
+        [(part, np.array([len(part)], dtype=np.int64)) for part in parts], batch.group, streaming, [0] * len(parts),
+    )  # fmt: skip

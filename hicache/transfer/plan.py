@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 PageList = Sequence[int] | np.ndarray | Any  # also accepts a 1-D integer torch tensor
+SMALL_LIST = 64  # page lists up to this long are checked in plain Python
 
 
 def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
@@ -23,6 +25,16 @@ def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
     arr = arr.astype(np.int64, copy=False)
+    if arr.size <= SMALL_LIST:  # a few pages: plain Python is faster than numpy's sort
+        values = arr.tolist()
+        if min(values) < 0 or max(values) >= limit:
+            first = next(v for v in values if not 0 <= v < limit)
+            raise ValueError(f"{name} has page {first} out of range [0, {limit})")
+        if len(set(values)) != len(values):
+            seen: set[int] = set()
+            first = next(v for v in values if v in seen or seen.add(v))  # type: ignore[func-returns-value]
+            raise ValueError(f"{name} has duplicate page {first}")
+        return arr
     bad = arr[(arr < 0) | (arr >= limit)]
     if bad.size:
         raise ValueError(f"{name} has page {int(bad[0])} out of range [0, {limit})")
@@ -36,19 +48,30 @@ def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
 class TransferPlan:
     """src_pages[i] is copied to dst_pages[i] for the layers in `layer_runs`.
 
-    runs: (src_start, dst_start, count) of page runs adjacent on both sides.
+    runs: (src_start, dst_start, count) of page runs adjacent on both sides (computed when
+    first read: the native path does not need them).
     layer_runs: (first, count) of consecutive pool-local layers.
     """
 
     src_pages: np.ndarray
     dst_pages: np.ndarray
-    runs: tuple[tuple[int, int, int], ...]
     layers: tuple[int, ...]
     layer_runs: tuple[tuple[int, int], ...]
 
     @property
     def num_pages(self) -> int:
         return int(self.src_pages.size)
+
+    @cached_property
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        order = np.argsort(self.src_pages, kind="stable")
+        s, d = self.src_pages[order], self.dst_pages[order]
+        if not s.size:
+            return ()
+        breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [s.size]))
+        return tuple((int(s[a]), int(d[a]), int(b - a)) for a, b in zip(starts, ends, strict=True))
 
 
 def make_plan(
@@ -66,15 +89,7 @@ def make_plan(
     if src.size != dst.size:
         raise ValueError(f"{names[0]} has {src.size} pages but {names[1]} has {dst.size}")
     layer_list = _as_layers(layers, layer_num)
-    order = np.argsort(src, kind="stable")
-    s, d = src[order], dst[order]
-    runs: list[tuple[int, int, int]] = []
-    if s.size:
-        breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-        starts = np.concatenate(([0], breaks))
-        ends = np.concatenate((breaks, [s.size]))
-        runs = [(int(s[a]), int(d[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
-    return TransferPlan(src, dst, tuple(runs), layer_list, _layer_runs(layer_list))
+    return TransferPlan(src, dst, layer_list, _layer_runs(layer_list))
 
 
 def _as_layers(layers: Sequence[int] | None, layer_num: int) -> tuple[int, ...]:

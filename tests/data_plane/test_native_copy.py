@@ -14,7 +14,6 @@ from hicache import DeviceKVPool, HostKVPool, KVGeometry, TransferEngine
 from hicache.pools import LAYOUTS
 from hicache.transfer import engine as engine_module
 from hicache.transfer import native
-from hicache.transfer.cpu import CpuCopier
 
 needs_native = pytest.mark.skipif(not native.available(), reason="C extension not built")
 
@@ -57,6 +56,34 @@ def expected_marks(pool, pages, layers) -> torch.Tensor:
     return marks
 
 
+@pytest.fixture
+def sorted_path(monkeypatch):
+    """Every transfer takes the path of large ones (sorted, grouped, merged), however small."""
+    monkeypatch.setattr(native, "SMALL_BYTES", 0)
+
+
+@pytest.mark.parametrize("host_layout", LAYOUTS)
+@pytest.mark.parametrize("direction", ["offload", "reload"])
+def test_a_small_transfer_is_unsorted_chunk_by_chunk_and_still_covers_each_byte_once(host_layout, direction):
+    g = mimo()
+    dev, host = DeviceKVPool(g, 12), HostKVPool(g, 12, host_layout)
+    engine = TransferEngine(dev, host, "torch")
+    dev_pages, host_pages = [3, 4, 9], [7, 8, 1]
+    src, dst = (dev, host) if direction == "offload" else (host, dev)
+    plan = (
+        engine.offload_plan(dev_pages, host_pages)
+        if direction == "offload"
+        else engine.reload_plan(host_pages, dev_pages)
+    )
+    batch = native.descriptors(src, dst, plan, plan.layers)
+    assert batch.nbytes < native.SMALL_BYTES and batch.group == 1
+    assert len(batch.descs) == len(dev_pages) * g.layer_num * len(g.buffers)  # one per chunk: no merging
+    src_pages, dst_pages = (dev_pages, host_pages) if direction == "offload" else (host_pages, dev_pages)
+    assert torch.equal(marks_of(batch, dst.nbytes, native.DST), expected_marks(dst, dst_pages, plan.layers))
+    assert torch.equal(marks_of(batch, src.nbytes, native.SRC), expected_marks(src, src_pages, plan.layers))
+
+
+@pytest.mark.usefixtures("sorted_path")
 @pytest.mark.parametrize("host_layout", LAYOUTS)
 @pytest.mark.parametrize("direction", ["offload", "reload"])
 def test_descriptors_cover_each_chunk_byte_once(host_layout, direction):
@@ -84,6 +111,7 @@ def test_descriptors_cover_each_chunk_byte_once(host_layout, direction):
     assert batch.nbytes == len(dev_pages) * g.page_bytes_for(len(plan.layers))
 
 
+@pytest.mark.usefixtures("sorted_path")
 def test_page_runs_merge_into_one_copy_per_layer_and_buffer():
     g = mimo()
     dev, host = DeviceKVPool(g, 16), HostKVPool(g, 16, "layer_first")
@@ -177,10 +205,15 @@ def test_copy_rows_unaligned_rows_and_groups(streaming):
 def test_streaming_threaded_roundtrip_is_bit_exact(layout, dtype, monkeypatch):
     """The large-transfer path (non-temporal stores, shares on several copy threads) on a small pool."""
     monkeypatch.setattr(native, "STREAM_MIN_BYTES", 0)
-    monkeypatch.setattr(engine_module, "INLINE_BYTES", 0)
+    monkeypatch.setattr(native, "SMALL_BYTES", 0)
     shares: list[int] = []
-    run_calls = CpuCopier.run_calls
-    monkeypatch.setattr(CpuCopier, "run_calls", lambda self, calls: (shares.append(len(calls)), run_calls(self, calls)))
+    copy_shares = native._native.copy_shares  # type: ignore[union-attr]
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        shares.append(len(args[4]))
+        return copy_shares(*args)
+
+    monkeypatch.setattr(native._native, "copy_shares", counted)
     g = KVGeometry(layer_num=3, head_num=3, head_dim=48, v_head_dim=16, page_size=5, dtype=dtype)
     dev = DeviceKVPool(g, 9)
     fill_random(dev, 7)

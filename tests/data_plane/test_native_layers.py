@@ -46,46 +46,56 @@ def test_a_failed_share_fails_every_layer_wait_and_frees_the_pages(monkeypatch: 
     g = mimo(64)
     dev, host = DeviceKVPool(g, 4), HostKVPool(g, 4)
     engine = TransferEngine(dev, host, "native", copy_threads=2)
-    real = native.layered_calls
+    real = native.layered_call
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls = real(*args, **kwargs)
-
         def fail() -> None:
             raise RuntimeError("share broke")
 
-        return [fail, *calls[1:]]
+        return fail
 
-    monkeypatch.setattr(native, "layered_calls", broken)
+    monkeypatch.setattr(native, "layered_call", broken)
     handle = engine.reload_async([0, 1], [2, 3])
     with pytest.raises(RuntimeError, match="share broke"):
         handle.wait_layer(0, timeout=30)
     with pytest.raises(RuntimeError, match="share broke"):
         handle.wait(30)
     assert handle.words is not None and handle.words.done() == FAILED  # type: ignore[attr-defined]
-    monkeypatch.setattr(native, "layered_calls", real)
+    monkeypatch.setattr(native, "layered_call", real)
     engine.reload_async([0, 1], [2, 3]).wait(30)  # the failed transfer no longer holds the pages
     engine.close()
 
 
-def test_copy_layers_checks_its_arguments_before_copying() -> None:
+def test_copy_shares_checks_its_arguments_before_copying() -> None:
     from hicache.transfer import _native  # type: ignore[attr-defined]
 
     dst, src = np.zeros(64, np.uint8), np.arange(64, dtype=np.uint8)
     descs = np.array([[0, 0, 1, 16, 16, 16], [16, 16, 1, 16, 16, 16]], dtype=np.int64)
-    word = np.zeros(2, np.uint32)
-    args = (dst.ctypes.data, 64, src.ctypes.data, 64, descs)
+    words = np.zeros(4, np.uint32)
+    ok_ends = np.array([1, 2], np.int64)
+    bufs = (dst.ctypes.data, 64, src.ctypes.data, 64)
     with pytest.raises(ValueError, match="layer_ends must rise to the descriptor count 2; entry 1 is 1"):
-        _native.copy_layers(*args, np.array([1, 1], np.int64), 1, False, word.ctypes.data)
-    with pytest.raises(ValueError, match="4-byte aligned"):
-        _native.copy_layers(*args, np.array([1, 2], np.int64), 1, False, word.ctypes.data + 1)
+        _native.copy_shares(*bufs, [(descs, np.array([1, 1], np.int64))], 1, False, [words.ctypes.data])
+    with pytest.raises(ValueError, match="progress word 0 must be 4-byte aligned"):
+        _native.copy_shares(*bufs, [(descs, ok_ends)], 1, False, [words.ctypes.data + 1])
+    with pytest.raises(ValueError, match="one progress address each"):
+        _native.copy_shares(*bufs, [(descs, ok_ends)], 1, False, [])
     bad = descs.copy()
     bad[1, 0] = 60
-    with pytest.raises(ValueError, match="descriptor 1 writes past"):
-        _native.copy_layers(dst.ctypes.data, 64, src.ctypes.data, 64, bad, np.array([1, 2], np.int64), 1, False, 0)
-    assert not dst.any() and word[0] == 0  # nothing copied, nothing published
-    _native.copy_layers(*args, np.array([1, 2], np.int64), 1, False, word.ctypes.data)
-    assert word[0] == 2 and np.array_equal(dst[:32], src[:32]) and not dst[32:].any()
+    good = descs[:1].copy()
+    with pytest.raises(ValueError, match="descriptor 1 writes past"):  # the second share is bad: nothing runs
+        _native.copy_shares(
+            *bufs,
+            [(good, np.array([1], np.int64)), (bad, ok_ends)],
+            1,
+            False,
+            [words.ctypes.data, words.ctypes.data + 4],
+        )
+    assert not dst.any() and not words.any()  # nothing copied, nothing published
+    second = np.array([[32, 32, 1, 32, 32, 32]], dtype=np.int64)
+    shares = [(descs, ok_ends), (second, np.array([0, 1], np.int64))]
+    _native.copy_shares(*bufs, shares, 1, False, [words.ctypes.data, words.ctypes.data + 4])
+    assert words[:2].tolist() == [2, 2] and np.array_equal(dst, src)  # two shares on two threads, both layers
 
 
 def test_a_waiter_waits_without_the_gil_and_sees_the_published_value() -> None:

@@ -37,14 +37,14 @@ def test_split_shares_covers_every_byte_once():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_threaded_copier_is_bit_exact(layout):
-    g = mimo(page_size=16)  # 368 KiB pages: big enough for the copy threads
+    g = mimo(page_size=64)  # 1.47 MB pages: 6 of them are big enough for the copy threads
     dev = DeviceKVPool(g, 10)
     fill_random(dev, 4)
     host = HostKVPool(g, 10, layout)
     fill_random(host, 5)
     host_before = host.flat.clone()
     threads_before = torch.get_num_threads()
-    with TransferEngine(dev, host, copy_threads=3) as engine:
+    with TransferEngine(dev, host, "torch", copy_threads=3) as engine:  # the native path threads in C
         dev_pages, host_pages = [9, 0, 1, 2, 5, 7], [1, 2, 3, 4, 8, 0]
         engine.offload(dev_pages, host_pages)
         assert engine._copier is not None and engine._copier.threads == 3

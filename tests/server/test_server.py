@@ -211,13 +211,14 @@ def test_silent_client_lease_expires_and_host_memory_is_released(sockdir):
             device_memory=convert.memory_to_pb(dev.handle),
         )
     )
-    assert shm_exists(reg.host_shm_name)
+    assert shm_exists(reg.host_shm_name) and (not reg.progress_shm_name or shm_exists(reg.progress_shm_name))
     for _ in range(600):  # no keepalive: the reaper reclaims it
         if not srv.service.pool_ids:
             break
         time.sleep(0.05)
     assert not srv.service.pool_ids
     assert not shm_exists(reg.host_shm_name) and shm_exists(dev.handle.name)
+    assert not reg.progress_shm_name or not shm_exists(reg.progress_shm_name)  # the progress block went too
     srv.stop(0)
     dev.close()
 
