@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm
+.PHONY: demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm gpu-check
 
 $(STAMP): pyproject.toml setup.py hicache/transfer/_native.c
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -85,3 +85,8 @@ bench-tiers: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The GPU check, for the lent GPU machine: its own python3 (torch, triton, cupy already there);
+# DRY_RUN=1 only checks that the script parses and every file it names exists.
+gpu-check:
+	DRY_RUN=$(DRY_RUN) bash scripts/gpu_check.sh

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU check, for the lent GPU machine (the device tool; about 5 minutes there):
+#   make gpu-check             # there: its python3 (3.12) already has torch, triton, cupy, grpcio...
+#   make gpu-check DRY_RUN=1   # anywhere: the script parses and every file it names exists
+# It installs no torch: it builds the C extension with that python, installs only the wheels
+# in .whl/ (git-ignored: cp312 wheels the machine lacks, e.g. grpcio-health-checking and
+# grpcio-reflection; the device README shows the pip download line), then runs the CUDA
+# tests, benchmarks/transfer.py --device cuda for every host layout, and the two-process CUDA
+# IPC round trip with a layer-wise reload (scripts/gpu_ipc_check.py). Results: one JSON,
+# $OUT/gpu-check.json ($OUT is set there; else ./gpu-check-out/), and the logs of the build
+# and the tests beside it. Exits non-zero if a step failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT_DIR=${OUT:-$PWD/gpu-check-out}
+WHEELS=.whl
+LAYOUTS=(layer_first page_first page_first_direct)
+TESTS=(tests/gpu tests/data_plane/test_triton_ptx.py tests/data_plane/test_native_layers.py tests/data_plane/test_transfer.py)
+FILES=(setup.py hicache/transfer/_native.c benchmarks/transfer.py scripts/gpu_ipc_check.py scripts/gpu_check_report.py "${TESTS[@]}")
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  for f in "${FILES[@]}"; do
+    [ -e "$f" ] || { echo "gpu-check: $f is missing" >&2; exit 1; }
+  done
+  "$PY" -m py_compile scripts/gpu_ipc_check.py scripts/gpu_check_report.py benchmarks/transfer.py
+  echo "gpu-check dry run: wheels, build, tests (${TESTS[*]}), transfer --device cuda x ${#LAYOUTS[@]} layouts, ipc, report: every file present"
+  exit 0
+fi
+
+mkdir -p "$OUT_DIR"
+work=$(mktemp -d)
+failed=0
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work/site" "$WHEELS"/*.whl
+  export PYTHONPATH="$work/site"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+echo "== build the C extension with $("$PY" --version)"
+"$PY" setup.py -q build_ext --inplace >"$OUT_DIR/build.log" 2>&1 || failed=1
+echo "== CUDA tests"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" >"$OUT_DIR/tests.log" 2>&1 || failed=1
+for layout in "${LAYOUTS[@]}"; do
+  echo "== transfer --device cuda --layout $layout"
+  timeout 120 "$PY" benchmarks/transfer.py --device cuda --layout "$layout" --no-naive --json \
+    >"$work/transfer-$layout.json" 2>"$work/transfer-$layout.err" || failed=1
+done
+echo "== CUDA IPC round trip through the sidecar"
+timeout 180 "$PY" scripts/gpu_ipc_check.py "$work/ipc.json" >"$work/ipc.log" 2>&1 || failed=1
+"$PY" scripts/gpu_check_report.py "$work" "$OUT_DIR/tests.log" >"$OUT_DIR/gpu-check.json"
+cat "$OUT_DIR/gpu-check.json"
+exit "$failed"
