@@ -345,11 +345,13 @@ class RegisteredPool:
     def resize_host(self, pages: int) -> None:
         """Use `pages` host pages (at most the pool's segment): growing commits their memory
         first (OSError ENOSPC if it does not fit, nothing changed); shrinking evicts what
-        lies above and gives its memory back (on CPU; pinned CUDA memory stays allocated)."""
-        old = self.index.limit
-        if pages > old:
-            self.host.commit_pages(old, min(pages, self.host.num_pages))
-        self.host.release_pages(self.cache.resize_host(pages))
+        lies above and gives its memory back (on CPU; pinned CUDA memory stays allocated).
+        StateError once the pool is closing."""
+        with self._in_flight():  # close() waits for it, and a closed pool is left alone
+            old = self.index.limit
+            if pages > old:
+                self.host.commit_pages(old, min(pages, self.host.num_pages))
+            self.host.release_pages(self.cache.resize_host(pages))
 
     def close(self) -> None:
         """Refuse new calls, let in-flight transfers finish, write what is queued for storage,

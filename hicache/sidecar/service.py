@@ -178,7 +178,7 @@ class HiCacheService:
             )
         for pool, pages in zip(live, shares, strict=False):
             if pages < pool.host_pages:
-                pool.resize_host(pages)
+                _resize(pool, pages)
         return shares[-1]
 
     @property
@@ -195,10 +195,7 @@ class HiCacheService:
             return
         for pool, pages in zip(live, split(self._budget, [_claim(p) for p in live]), strict=True):
             if pages >= 1 and pages != pool.host_pages:
-                try:
-                    pool.resize_host(pages)
-                except OSError as exc:
-                    log.warning("pool %s keeps %d host pages: %s", pool.identity.pool_id, pool.host_pages, exc)
+                _resize(pool, pages)
 
     def _refuse(self, why: str) -> NoSpace:
         """StateError once shut down; otherwise the pool limit, a NoSpace answer."""
@@ -375,6 +372,15 @@ class HiCacheService:
     def check_integrity(self) -> None:
         for pool in self._pools.check_integrity():
             pool.check_integrity()
+
+
+def _resize(pool: RegisteredPool, pages: int) -> None:
+    """pool.resize_host, for a rebalance: a pool that cannot grow (ENOSPC) keeps its size, and
+    one closing meanwhile is skipped (its budget comes back when it is gone)."""
+    try:
+        pool.resize_host(pages)
+    except (OSError, StateError) as exc:
+        log.warning("pool %s keeps %d host pages: %s", pool.identity.pool_id, pool.host_pages, exc)
 
 
 def _claim(pool: RegisteredPool) -> Claim:

@@ -47,6 +47,9 @@ def check_options(directory: object, max_bytes: object, fsync: object) -> None:
         raise ValueError(f'file tier "fsync" must be true or false, got {fsync!r}')
 
 
+RECENCY_BATCH = 1024  # reads between two writes of the read order to the files' mtimes
+
+
 class FileTier(StorageTier):
     """Pages of `identity` under `directory`, at most `max_bytes` of page files (None: no cap).
 
@@ -72,6 +75,7 @@ class FileTier(StorageTier):
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recent first
         self._total = 0
         self._disk_full = False  # the last batch hit ENOSPC; cleared by a batch that did not
+        self._read_since: OrderedDict[bytes, None] = OrderedDict()  # read, recency not yet on disk
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
 
@@ -148,7 +152,6 @@ class FileTier(StorageTier):
                     return None
                 buf = bytearray(size)
                 got = f.readinto(buf)
-            os.utime(path)
         except FileNotFoundError:  # evicted or deleted meanwhile
             with self._lock:  # a rewrite since then renames and indexes under this lock
                 if key in self._index and not path.exists():
@@ -175,8 +178,28 @@ class FileTier(StorageTier):
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
+                self._read_since.pop(key, None)
+                self._read_since[key] = None
+            due = len(self._read_since) >= RECENCY_BATCH
+        if due:
+            self.persist_recency()
         self._count(hits=1, bytes_read=payload.nbytes)
         return payload
+
+    def persist_recency(self) -> None:
+        """Write the read order kept in memory to the files' modification times (oldest read
+        first), so that the LRU order a restart rebuilds from them includes reads. Runs every
+        RECENCY_BATCH reads and at close(), not on every read."""
+        with self._lock:
+            keys, self._read_since = list(self._read_since), OrderedDict()
+        for key in keys:
+            try:
+                os.utime(self.path_of(key))
+            except OSError:
+                pass  # evicted or deleted meanwhile
+
+    def close(self) -> None:
+        self.persist_recency()
 
     def _refuse(self, key: bytes, why: str) -> None:
         """A page file that is not a page: deleted, counted corrupt, served as a miss."""

@@ -96,6 +96,16 @@ def test_size_cap_lru_and_order_survives_restart(tmp_path):
     assert again.set(key(4), payload(g, 4))
     assert again.batch_contains([key(i) for i in range(5)]) == [True, False, False, True, True]
     again.check_integrity()
+    # a read is not a write on disk: its recency reaches the files at close (or every
+    # RECENCY_BATCH reads), oldest read first
+    for i in (0, 3, 4):
+        os.utime(again.path_of(key(i)), ns=(10 + i, 10 + i))
+    assert again.get(key(0)) is not None and again.path_of(key(0)).stat().st_mtime_ns == 10
+    again.close()
+    assert again.path_of(key(0)).stat().st_mtime_ns > 1000
+    third = FileTier(identity(g), tmp_path, max_bytes=3 * size)  # order now 3, 4, 0
+    assert third.set(key(5), payload(g, 5))
+    assert not third.contains(key(3)) and third.contains(key(0)) and third.contains(key(4))
     tiny = FileTier(identity(g), tmp_path / "tiny", max_bytes=size - 1)  # a page never fits
     assert tiny.set(key(1), payload(g, 1)) is False and tiny.stats().no_space == 1
 
