@@ -121,7 +121,8 @@ class HostIndex:
             raise ValueError(f"page {page} is not reserved")
         self._reserved.remove(page)
         self._entries[key] = _Entry(page)
-        self._lru[key] = None
+        if page < self.limit:  # above a shrunken limit it stays out of the LRU: never reused
+            self._lru[key] = None
         if self.observer is not None:
             self.observer("stored", [key])
 
@@ -142,7 +143,7 @@ class HostIndex:
         if entry.pins or entry.refs:
             raise ValueError(f"key {key.hex()} is pinned ({entry.pins}) or referenced ({entry.refs})")
         del self._entries[key]
-        del self._lru[key]
+        self._lru.pop(key, None)
         self._give_back(entry.page)
         if self.observer is not None:
             self.observer("removed", [key])
@@ -225,6 +226,9 @@ class HostIndex:
             back = sorted((p for p in self._retired if p < limit), reverse=True)
             self._retired.difference_update(back)
             self._free = back + self._free  # pop() takes low pages first: the old ones stay first
+            for key, entry in self._entries.items():  # bound above the old limit while it stood
+                if entry.page < limit and not entry.pins and not entry.refs and key not in self._lru:
+                    self._lru[key] = None
             return []
         keep = [p for p in self._free if p < limit]
         for page in self._free:
@@ -264,5 +268,6 @@ class HostIndex:
         assert all(self._entries[k].page < self.limit for k in self._lru), "an evictable page above the limit"
         for key, entry in self._entries.items():
             assert entry.pins >= 0 and entry.refs >= 0
-            assert (key in self._lru) == (entry.pins == 0 and entry.refs == 0), key.hex()
+            evictable = entry.pins == 0 and entry.refs == 0 and entry.page < self.limit
+            assert (key in self._lru) == evictable, key.hex()
         assert all(k in self._entries for k in self._lru)

@@ -241,9 +241,11 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         return len(evicted)
 
     def resize_host(self, pages: int) -> list[int]:
-        """Use host pages [0, pages) only (a shared host budget moved). Shrinking evicts what
-        lies above (write_back stores it first); returns the pages above the line that hold
-        nothing now, whose memory the caller may give back. A caller that grows commits the
+        """Use host pages [0, pages) only (a shared host budget moved). Shrinking evicts the
+        evictable keys above the line (write_back stores them first); a key there that is
+        pinned or being read is dropped when released, without a write-back, and its page is
+        returned by the next call. Returns the pages above the line that hold nothing now,
+        whose memory the caller may give back. A caller that grows commits the
         memory of the pages that come back first. Calls must not overlap (the sidecar
         rebalances under one lock). Raises ValueError for pages outside [1, the pool's pages]."""
         with self._lock:

@@ -80,11 +80,20 @@ class ReloadHandle:
         """Wait in the progress slot until `target` layers are done: True when they are;
         False when the slot cannot tell (failed, reused): then Watch must. Raises TimeoutError."""
         slot = self._slot
+        if self._finished and self._error is None:
+            return True  # seen complete before
         if slot is None or self._watching or not slot.current():
             return False
-        if not slot.words.wait(target, timeout):
+        if not slot.words.wait(target, timeout, slot.current):
+            if not slot.current():
+                return False
             raise TimeoutError(f"reload {self.op_id}: {target} layers not done after {timeout} s")
-        return slot.words.done() != FAILED and slot.current()
+        if slot.words.done() == FAILED or not slot.current():
+            return False
+        if target >= self.layer_num:
+            with self._cond:  # remembered: the slot may be reused later
+                self._layers_done, self._finished = self.layer_num, True
+        return True
 
     def _follow(self, watch: Callable[[], Any]) -> None:
         try:
@@ -108,11 +117,19 @@ class ReloadHandle:
             self._cond.notify_all()
 
     def done(self) -> bool:
+        with self._cond:
+            if self._finished:
+                return True
         slot = self._slot
-        if slot is not None and not self._watching and slot.current():
+        if slot is not None and not self._watching:
             done = slot.words.done()
-            if done != FAILED:
-                return done >= self.layer_num
+            if slot.current() and done != FAILED:
+                if done >= self.layer_num:
+                    with self._cond:
+                        self._layers_done, self._finished = self.layer_num, True
+                    return True
+                return False
+            self._follow_watch()  # failed, or the slot was reused: Watch says how it ended
         with self._cond:
             return self._finished
 

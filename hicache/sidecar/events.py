@@ -51,12 +51,14 @@ class Subscription:
     def matches(self, pool: EventPool) -> bool:
         return self.namespace is None or pool.namespace == self.namespace
 
-    def offer(self, kind: EventKind, pool: EventPool, tier: Tier, keys: list[bytes]) -> None:
+    def offer(self, kind: EventKind, pool: EventPool, tier: Tier, keys: list[bytes], *, snapshot: bool = False) -> None:
+        """Queue an event (merged into the last one when it continues it). snapshot: part of
+        the opening snapshot, queued whatever the limit (it is what a resync starts from)."""
         weight = max(1, len(keys))
         with self._cond:
             if self.closed:
                 return
-            if self._dropped or self._queued_keys + weight > self._max:
+            if not snapshot and (self._dropped or self._queued_keys + weight > self._max):
                 self._dropped += 1
                 self.dropped_total += 1
                 self._next_seq += 1

@@ -53,10 +53,11 @@ class ProgressBlock:
             self._generation = self._generation % 0xFFFFFFFE + 1
             generation = self._generation
         row = self.words[slot]
-        row[1:] = 0
         words = ProgressWords(row[1 : 1 + shares])
+        ProgressWords(row[:1]).publish(0, 0)  # first invalid: a reader of the old reload stops trusting it
+        row[1:] = 0
         words.publish(0, 0)  # a fence: the zeros are visible before the new generation
-        row[0] = generation
+        ProgressWords(row[:1]).publish(0, generation)
         return slot, generation, words
 
     def release(self, slot: int) -> None:

@@ -133,10 +133,13 @@ class HiCacheService:
             try:
                 pool = build_pool(req, host_pages, self.config, self._ipc, self.fds, self.events)
             except OSError as exc:
+                self._rebalance()  # the others get back what they gave up for it
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
                     raise
-                self._rebalance()
                 return NoSpace(f"host pool of {host_pages} pages ({host_bytes} bytes): {exc.strerror}")
+            except BaseException:
+                self._rebalance()
+                raise
             refusal = self._pools.add(pool)
             if refusal:
                 pool.close()
@@ -389,9 +392,9 @@ def _claim(pool: RegisteredPool) -> Claim:
 
 
 def _snapshot(sub: Subscription, pool: EventPool, keys: list[bytes]) -> None:
-    sub.offer(EventKind.POOL_REGISTERED, pool, Tier.NONE, [])
+    sub.offer(EventKind.POOL_REGISTERED, pool, Tier.NONE, [], snapshot=True)
     if keys:
-        sub.offer(EventKind.STORED, pool, Tier.HOST, keys)
+        sub.offer(EventKind.STORED, pool, Tier.HOST, keys, snapshot=True)
 
 
 def _sweep() -> None:

@@ -241,6 +241,8 @@ class FileTier(StorageTier):
                 size = fmt.stored_size(self.identity, key)
                 self._total += size - self._index.pop(key, 0)
                 self._index[key] = size
+            # under the lock, before the evictions below: events keep the order of the changes
+            self._changed("stored", [items[i][0] for i, _, _ in written if ok[i]])
             for i, _, _ in written:
                 if ok[i]:
                     self._evict_locked(keep=items[i][0])
@@ -255,7 +257,6 @@ class FileTier(StorageTier):
         if n_ok or full_now:
             self._disk_full = full_now
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes)
-        self._changed("stored", [key for (key, _), good in zip(items, ok, strict=True) if good])
         return ok
 
     def _write_tmp(self, tmp: Path, header: bytes, data: Buffer) -> bool:
@@ -290,10 +291,10 @@ class FileTier(StorageTier):
             if size is not None:
                 self._total -= size
             removed = _unlink(self.path_of(key))
+            if removed or size is not None:
+                self._changed("removed", [key])  # under the lock: after any STORED of the key
         if count and (removed or size is not None):
             self._count(deletes=1)
-        if removed or size is not None:
-            self._changed("removed", [key])
         return removed or size is not None
 
     def _evict_locked(self, keep: bytes | None) -> None:

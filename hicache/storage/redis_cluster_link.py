@@ -138,7 +138,7 @@ class ClusterLink:
         for i, command in enumerate(commands):
             try:
                 node = client.nodes_manager.get_node_from_slot(key_slot(command[1]))
-            except redis.RedisError as exc:  # a slot no master serves (mid-failover)
+            except redis_errors() as exc:  # a slot no master serves (SlotNotCoveredError, mid-failover)
                 replies[i], stale = exc, True
                 continue
             if self._blocked(node.name):

@@ -24,6 +24,7 @@ from hicache.transfer.writers import WriterRegistry
 from hicache.validate import is_int
 
 Backend = Literal["auto", "native", "torch", "triton"]
+MAX_SHARES = 64  # the most threads one C copy call runs (copy_shares)
 Pool = DeviceKVPool | HostKVPool
 
 
@@ -208,7 +209,7 @@ class TransferEngine:
     def shares(self) -> int:
         """Copy shares of a large CPU transfer: one per copy thread (the progress words a
         layer-wise reload can use)."""
-        return self._copy_threads or torch.get_num_threads()
+        return min(MAX_SHARES, self._copy_threads or torch.get_num_threads())
 
     def _drive(self, src: Pool, dst: Pool, plan: TransferPlan, handle: CpuTransferHandle) -> None:
         try:

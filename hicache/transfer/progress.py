@@ -10,6 +10,7 @@ process) or in a shared-memory progress block that an engine maps (hicache.sidec
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -54,13 +55,15 @@ class ProgressWords:
         values = [int(v) for v in self.array]
         return FAILED if FAILED in values else min(values)
 
-    def wait(self, target: int, timeout: float | None) -> bool:
-        """Until every word is >= target (FAILED counts), at most `timeout` s; whether it was."""
+    def wait(self, target: int, timeout: float | None, valid: Callable[[], bool] | None = None) -> bool:
+        """Until every word is >= target (FAILED counts), at most `timeout` s; whether it was.
+        `valid`: checked between waits (at least every second); False ends the wait (the
+        words were handed to someone else)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for addr, word in zip(self.addresses, range(len(self)), strict=True):
             while int(self.array[word]) < target:
                 left = -1.0 if deadline is None else deadline - time.monotonic()
-                if deadline is not None and left <= 0:
+                if (deadline is not None and left <= 0) or (valid is not None and not valid()):
                     return False
                 if native.available():
                     native.wait_progress(addr, target, min(left, 1.0) if left >= 0 else 1.0)

@@ -66,6 +66,12 @@ def test_a_failed_share_fails_every_layer_wait_and_frees_the_pages(monkeypatch: 
     engine.close()
 
 
+def test_an_engine_never_asks_for_more_shares_than_one_c_call_runs() -> None:
+    g = mimo(4)
+    with TransferEngine(DeviceKVPool(g, 2), HostKVPool(g, 2), "native", copy_threads=500) as engine:
+        assert engine.shares == 64
+
+
 def test_copy_shares_checks_its_arguments_before_copying() -> None:
     from hicache.transfer import _native  # type: ignore[attr-defined]
 

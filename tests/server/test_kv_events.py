@@ -186,6 +186,16 @@ def test_a_slow_subscriber_loses_events_is_told_and_never_blocks_the_publisher()
     assert bus.subscribers == 0
 
 
+def test_a_snapshot_larger_than_the_queue_is_still_delivered_whole() -> None:
+    bus = EventBus()
+    sub = bus.subscribe(max_queued_keys=10)
+    keys = [bytes([i]) for i in range(50)]
+    sub.offer(EventKind.STORED, POOL, Tier.HOST, keys, snapshot=True)  # what a resync starts from
+    bus.publish(EventKind.REMOVED, POOL, Tier.HOST, [b"x"])  # the queue is over its limit: this is lost
+    batch = sub.next_batch(timeout=1)
+    assert batch is not None and batch.events[0].keys == tuple(keys) and batch.dropped == 1
+
+
 def test_consecutive_changes_of_one_pool_and_tier_are_merged() -> None:
     bus = EventBus()
     sub = bus.subscribe()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,6 +109,12 @@ def test_a_reused_slot_falls_back_to_watch() -> None:
     h = ReloadHandle(result, 2, watch, ProgressSlot(row, generation=6, words=1))
     h.wait(10)
     assert watched == [1] and h.done()
+    polled = ReloadHandle(result, 2, watch, ProgressSlot(row, generation=6, words=1))
+    for _ in range(1000):  # done() alone, polled: it turns to Watch and learns the end there
+        if polled.done():
+            break
+        time.sleep(0.01)
+    assert polled.done() and watched == [1, 1]
 
 
 def test_slots_are_handed_out_oldest_first_with_new_generations() -> None:

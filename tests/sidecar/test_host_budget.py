@@ -74,6 +74,21 @@ def test_the_index_shrinks_evicts_above_the_line_and_grows_back() -> None:
         index.resize(9)
 
 
+def test_a_page_reserved_before_a_shrink_and_bound_after_it_is_never_reused() -> None:
+    index = HostIndex(4)
+    got = index.allocate(4)
+    assert got is not None
+    index.resize(2)  # pages 2 and 3 are reserved (an offload in flight)
+    index.bind(b"late", 3)
+    index.check_integrity()
+    assert index.evictable_pages == 0 and index.evict(4) == []  # above the line: not evictable, not reused
+    index.release([0, 1, 2])
+    assert sorted(index.allocate(2)[0]) == [0, 1]  # type: ignore[index]
+    index.resize(4)  # grown back: the late key is evictable again
+    assert index.evictable_pages == 1
+    index.check_integrity()
+
+
 def budget_service(gb: float) -> HiCacheService:
     return HiCacheService(ServiceConfig(hierarchy=HiCacheConfig(storage_backend="none", size_gb=gb)))
 
