@@ -6,6 +6,7 @@ cache's locking rules: pages are reserved under the lock, filled outside it, bou
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 from collections.abc import Sequence
@@ -135,6 +136,9 @@ class FetchMixin(WritePolicyMixin):
         self._submit(self._read_evicted(backups))
         return self._fetch_into(fetch, pages, ref=True, handle=None)
 
+    def _write_fetched(self, pages: list[int], i: int, data: memoryview) -> None:
+        self.pool.write_page(pages[i], data)
+
     def _fetch_into(
         self, keys: list[bytes], pages: list[int], *, ref: bool, handle: PrefetchHandle | None
     ) -> list[tuple[bytes, int]]:
@@ -148,12 +152,7 @@ class FetchMixin(WritePolicyMixin):
                 if handle is not None and handle.cancelled:
                     break
                 chunk = keys[start : start + self.fetch_batch_pages]
-                good = 0
-                for data, page in zip(self.storage.batch_get(chunk), pages[start:], strict=False):
-                    if data is None:
-                        break
-                    self.pool.write_page(page, data)
-                    good += 1
+                good = self.storage.batch_read(chunk, functools.partial(self._write_fetched, pages[start:]))
                 with self._lock:
                     for k, page in zip(chunk[:good], pages[start:], strict=False):
                         del self._pending[k]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
@@ -50,9 +50,11 @@ from hicache.client.tls import ClientTls
 from hicache.geometry import KVGeometry
 from hicache.keys import HashName, page_keys
 from hicache.memory import MemoryHandle, send_fds
-from hicache.pools import DeviceKVPool
 from hicache.rpc import convert
 from hicache.rpc.generated import hicache_pb2 as pb
+
+if TYPE_CHECKING:
+    from hicache.pools import DeviceKVPool
 
 T = TypeVar("T")
 

@@ -7,11 +7,12 @@ import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from hicache.validate import is_int
+
+if TYPE_CHECKING:
+    import torch  # imported where a buffer is made: a sidecar starts without torch
 
 ShmKind = Literal["shm", "cuda_ipc", "local", "fd"]
 
@@ -37,7 +38,7 @@ class SharedBuffer:
         release: Callable[[], None],
         damage: Callable[[], str | None] | None = None,
     ):
-        assert tensor.dtype == torch.uint8 and tensor.dim() == 1 and tensor.numel() == handle.nbytes
+        assert str(tensor.dtype) == "torch.uint8" and tensor.dim() == 1 and tensor.numel() == handle.nbytes
         self.tensor = tensor
         self.handle = handle
         self._damage = damage
@@ -69,12 +70,16 @@ def check_nbytes(nbytes: int) -> None:
 
 def local_buffer(nbytes: int) -> SharedBuffer:
     """Private (unshared) memory, for tests and single-process use."""
+    import torch
+
     check_nbytes(nbytes)
     return SharedBuffer(torch.zeros(nbytes, dtype=torch.uint8), MemoryHandle("local", nbytes), lambda: None)
 
 
 def wrap_tensor(tensor: torch.Tensor) -> SharedBuffer:
     """View an existing flat uint8 tensor as an unshared buffer (the caller keeps ownership)."""
+    import torch
+
     if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
         raise ValueError(f"expected a contiguous 1-D uint8 tensor, got {tensor.dtype} {tuple(tensor.shape)}")
     return SharedBuffer(tensor, MemoryHandle("local", tensor.numel()), lambda: None)

@@ -8,8 +8,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-import torch
-
 from hicache.memory.buffer import MemoryHandle, SharedBuffer, check_nbytes
 from hicache.memory.shm import create_shm
 
@@ -17,12 +15,18 @@ K = TypeVar("K")
 B = TypeVar("B")
 
 
+def _torch() -> Any:
+    import torch  # here, not at import: a sidecar starts without torch
+
+    return torch
+
+
 def cuda_available() -> bool:
-    return torch.cuda.is_available()
+    return bool(_torch().cuda.is_available())
 
 
 def cuda_device_count() -> int:
-    return torch.cuda.device_count() if cuda_available() else 0
+    return int(_torch().cuda.device_count()) if cuda_available() else 0
 
 
 def _cupy() -> Any:
@@ -41,12 +45,12 @@ def alloc_device(nbytes: int, device: str) -> SharedBuffer:
     if not cuda_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     cp = _cupy()
-    index = torch.device(device).index or 0
+    index = _torch().device(device).index or 0
     with cp.cuda.Device(index):
         mem = cp.cuda.Memory(nbytes)  # a plain cudaMalloc: IPC-exportable, offset 0
         array = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
         handle = bytes(cp.cuda.runtime.ipcGetMemHandle(mem.ptr))
-    tensor = torch.as_tensor(array, device=f"cuda:{index}")
+    tensor = _torch().as_tensor(array, device=f"cuda:{index}")
     keep = [mem, array]
     return SharedBuffer(tensor, MemoryHandle("cuda_ipc", nbytes, ipc_handle=handle), keep.clear)
 
@@ -56,12 +60,12 @@ def open_cuda_ipc(handle: MemoryHandle, device: str = "cuda") -> SharedBuffer:
     if handle.kind != "cuda_ipc":
         raise ValueError(f"expected a cuda_ipc handle, got kind {handle.kind!r}")
     cp = _cupy()
-    index = torch.device(device).index or 0
+    index = _torch().device(device).index or 0
     with cp.cuda.Device(index):
         base = cp.cuda.runtime.ipcOpenMemHandle(handle.ipc_handle)
         mem = cp.cuda.UnownedMemory(base, handle.offset + handle.nbytes, None)
         array = cp.ndarray((handle.nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, handle.offset))
-    tensor = torch.as_tensor(array, device=f"cuda:{index}")
+    tensor = _torch().as_tensor(array, device=f"cuda:{index}")
     return SharedBuffer(tensor, handle, lambda: cp.cuda.runtime.ipcCloseMemHandle(base))
 
 
@@ -124,7 +128,7 @@ class CudaIpcOpens:
         """Map `handle` (nbytes at offset from its allocation base) on `device`."""
         if handle.kind != "cuda_ipc":
             raise ValueError(f"expected a cuda_ipc handle, got kind {handle.kind!r}")
-        index = torch.device(device).index or 0
+        index = _torch().device(device).index or 0
         key = (handle.ipc_handle, index)
         base = self.bases.acquire(key)
         try:
@@ -132,7 +136,7 @@ class CudaIpcOpens:
             with cp.cuda.Device(index):
                 mem = cp.cuda.UnownedMemory(base, handle.offset + handle.nbytes, None)
                 array = cp.ndarray((handle.nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, handle.offset))
-            tensor = torch.as_tensor(array, device=f"cuda:{index}")
+            tensor = _torch().as_tensor(array, device=f"cuda:{index}")
         except BaseException:
             self.bases.release(key)
             raise

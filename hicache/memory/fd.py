@@ -22,8 +22,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import torch
-
 from hicache.memory.buffer import MemoryHandle, SharedBuffer, seal_shrink, shrunk
 
 MAX_FDS = 16
@@ -215,5 +213,7 @@ def map_fds(fds: Sequence[int], handle: MemoryHandle) -> tuple[SharedBuffer, lis
             os.close(fd)
 
     damage = shrunk(kept, [size for _, size in watched], "the engine's memory (fd)") if kept else None
+    import torch  # here, not at import: a sidecar starts without torch
+
     tensor = torch.frombuffer((ctypes.c_uint8 * total).from_address(base), dtype=torch.uint8)
     return SharedBuffer(tensor, handle, release, damage), offsets

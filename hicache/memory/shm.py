@@ -19,8 +19,6 @@ import tempfile
 import threading
 from collections.abc import Sequence
 
-import torch
-
 from hicache.memory.buffer import MemoryHandle, SharedBuffer, check_nbytes, shrunk
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
@@ -58,6 +56,8 @@ def create_shm(nbytes: int, committed: Sequence[tuple[int, int]] | None = None) 
     _LIVE_SEGMENTS.add(path)
     _unlink_on_sigterm()
     try:
+        import torch  # here, not at import: a sidecar starts without torch
+
         tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         for offset, length in spans:
             tensor[offset : offset + length].zero_()  # fault the pages in now, not on the first transfer
@@ -206,6 +206,8 @@ def open_shm(name: str, nbytes: int) -> SharedBuffer:
         if st.st_size != nbytes:
             raise ValueError(f"shared memory {name!r} holds {st.st_size} bytes, expected {nbytes}")
         source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path  # Linux: the open file
+        import torch
+
         tensor = torch.from_file(source, shared=True, size=nbytes, dtype=torch.uint8)
     except BaseException:
         os.close(fd)

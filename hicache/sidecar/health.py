@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from hicache.sidecar.pool import RegisteredPool
+if TYPE_CHECKING:
+    from hicache.sidecar.pool import RegisteredPool
+
 
 HEALTH_PROBE_KEY = b"hicache-health-probe"
 log = logging.getLogger("hicache.sidecar.service")

@@ -6,12 +6,15 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from hicache.api import KeyStatus, OpEvent
 from hicache.cache.prefetch import PrefetchHandle
 from hicache.sidecar.errors import UnknownId
-from hicache.transfer import TransferEngine
 from hicache.transfer.progress import FAILED, ProgressWords
+
+if TYPE_CHECKING:
+    from hicache.transfer import TransferEngine
 
 
 class Operation:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hicache.sidecar.errors import UnknownId
-from hicache.sidecar.pool import RegisteredPool
+
+if TYPE_CHECKING:
+    from hicache.sidecar.pool import RegisteredPool
 
 
 class PoolTable:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hicache.geometry import KVGeometry
 from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, FdStore, MemoryHandle, cuda_available, cuda_device_count, map_fds, open_shm
-from hicache.pools import DeviceKVPool
 from hicache.pools.layouts import BlockLayout, EngineLayout, Layout, check_engine_layout
-from hicache.pools.mapped import MappedKVPool
 from hicache.validate import is_int
+
+if TYPE_CHECKING:
+    from hicache.pools import DeviceKVPool
+    from hicache.pools.mapped import MappedKVPool
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,8 @@ def map_engine_layout(
     SGLang's K and V memfds), shared memory by name, or (a BlockLayout: vLLM's allocation)
     CUDA memory by IPC. Raises ValueError for unknown fd ids, a missing segment, or memory
     too small for the layout."""
+    from hicache.pools.mapped import MappedKVPool  # torch: loaded with the first pool
+
     bases: tuple[int, ...] | None = None
     if memory.kind == "cuda_ipc":
         if ipc is None:
@@ -161,6 +166,8 @@ def map_device(
 ) -> DeviceKVPool:
     """Map the engine's device pool: shared memory by name, or a refcounted CUDA IPC open.
     Raises ValueError for a missing segment, a size mismatch or an unknown kind."""
+    from hicache.pools import DeviceKVPool  # torch: loaded with the first pool
+
     if memory.kind == "shm":
         try:
             return DeviceKVPool.attach(geometry, pages, memory)

@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from hicache.api import (
     EventKind,
@@ -42,12 +43,13 @@ from hicache.sidecar.events import EventBus, Subscription
 from hicache.sidecar.health import degraded_but_serving, storage_health
 from hicache.sidecar.host_budget import Claim, split
 from hicache.sidecar.operations import Operation, operation_events
-from hicache.sidecar.pool import RegisteredPool
-from hicache.sidecar.pool_factory import build_pool
 from hicache.sidecar.pool_table import PoolTable
 from hicache.sidecar.registration import PoolRequest, check_geometry
 from hicache.sidecar.request_cache import RequestCache, fingerprint
 from hicache.storage.factory import backend_reachable
+
+if TYPE_CHECKING:
+    from hicache.sidecar.pool import RegisteredPool
 
 log = logging.getLogger("hicache.sidecar")
 
@@ -130,6 +132,8 @@ class HiCacheService:
             if host_bytes > free:
                 self._rebalance()
                 return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
+            from hicache.sidecar.pool_factory import build_pool  # torch: loaded with the first pool
+
             try:
                 pool = build_pool(req, host_pages, self.config, self._ipc, self.fds, self.events)
             except OSError as exc:

@@ -168,6 +168,18 @@ class StorageTier(ABC):
     def batch_set(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         return [self.set(k, d) for k, d in items]
 
+    def batch_read(self, keys: Sequence[bytes], sink: Callable[[int, memoryview], None]) -> int:
+        """Read the longest stored prefix of `keys`, calling sink(i, payload) for each in
+        order; the payload is valid only during the call (a tier may read into a buffer it
+        reuses: no allocation per page). Returns how many were read (stops at the first miss)."""
+        n = 0
+        for payload in self.batch_get(keys):
+            if payload is None:
+                break
+            sink(n, payload)
+            n += 1
+        return n
+
     def stats(self) -> TierStats:
         """A snapshot of the counters (a copy)."""
         with self._stats_lock:

@@ -20,11 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicache.pools.flat import FlatPool
 from hicache.transfer.plan import TransferPlan
+
+if TYPE_CHECKING:
+    from hicache.pools.flat import FlatPool
 
 _native: ModuleType | None
 try:

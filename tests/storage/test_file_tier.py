@@ -128,3 +128,21 @@ def test_disk_full_fails_cleanly_and_is_counted(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert tier.set(key(1), payload(g, 1)) and bytes(tier.get(key(0))) == payload(g, 0)
     tier.check_integrity()
+
+
+def test_batch_read_reuses_one_buffer_and_stops_at_the_first_miss(tmp_path):
+    g = GEOMETRIES["mimo_kv"]
+    tier = FileTier(identity(g), tmp_path)
+    for i in range(3):
+        assert tier.set(key(i), payload(g, i))
+    seen: list[tuple[int, bytes, int]] = []
+
+    def sink(i: int, data: memoryview) -> None:
+        seen.append((i, bytes(data), id(data.obj)))
+
+    assert tier.batch_read([key(0), key(1), key(9), key(2)], sink) == 2
+    assert [(i, b) for i, b, _ in seen] == [(0, payload(g, 0)), (1, payload(g, 1))]
+    assert seen[0][2] == seen[1][2]  # the same buffer, read into again: no allocation per page
+    p2 = tier.path_of(key(2))
+    p2.write_bytes(p2.read_bytes()[:-1] + b"\x00")  # a flipped last byte: the checksum fails
+    assert tier.batch_read([key(2)], sink) == 0 and tier.stats().corrupt == 1 and not p2.exists()
