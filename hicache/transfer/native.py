@@ -59,17 +59,8 @@ class CopyBatch:
         return int((self.descs[:, ROWS] * self.descs[:, ROW_BYTES]).sum()) if len(self.descs) else 0
 
 
-def descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int]) -> CopyBatch:
-    """The copy descriptors for `layers` of `plan`.
-
-    Where the source's chunks are row-strided (page_first: the rows of a page's (layer,
-    buffer) chunks interleave), the descriptors are sorted by source offset and grouped per
-    page, so the copy reads each source page in address order. Otherwise they are sorted by
-    destination offset, and where both sides' chunks are contiguous adjacent ones merge.
-    """
-    layer_arr = np.asarray(layers, dtype=np.int64)
-    if plan.num_pages == 0 or layer_arr.size == 0:
-        return CopyBatch(np.zeros((0, 6), dtype=np.int64))
+def chunk_parts(src: FlatPool, dst: FlatPool, plan: TransferPlan, layer_arr: np.ndarray) -> list[np.ndarray]:
+    """Per buffer, one descriptor per (page, layer) chunk, page-major: (pages x layers, 6)."""
     page_size = src.geometry.page_size
     parts = []
     for s, d in zip(src.layout.strides, dst.layout.strides, strict=True):
@@ -84,6 +75,21 @@ def descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequen
         part[:, SRC] = src_off.ravel()
         part[:, ROWS:] = shape
         parts.append(part)
+    return parts
+
+
+def descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int]) -> CopyBatch:
+    """The copy descriptors for `layers` of `plan`.
+
+    Where the source's chunks are row-strided (page_first: the rows of a page's (layer,
+    buffer) chunks interleave), the descriptors are sorted by source offset and grouped per
+    page, so the copy reads each source page in address order. Otherwise they are sorted by
+    destination offset, and where both sides' chunks are contiguous adjacent ones merge.
+    """
+    layer_arr = np.asarray(layers, dtype=np.int64)
+    if plan.num_pages == 0 or layer_arr.size == 0:
+        return CopyBatch(np.zeros((0, 6), dtype=np.int64))
+    parts = chunk_parts(src, dst, plan, layer_arr)
     descs = np.concatenate(parts)
     if plan.num_pages * src.geometry.page_bytes_for(layer_arr.size) < SMALL_BYTES:
         return CopyBatch(descs)  # a few chunks: sorting and merging cost more than they save
@@ -169,23 +175,9 @@ def layered(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[i
     layer_arr = np.asarray(layers, dtype=np.int64)
     if plan.num_pages == 0 or layer_arr.size == 0:
         return LayeredBatch(np.zeros((0, 6), dtype=np.int64), np.zeros(layer_arr.size, dtype=np.int64))
-    page_size = src.geometry.page_size
-    parts, positions = [], []
+    parts = chunk_parts(src, dst, plan, layer_arr)
     pos = np.broadcast_to(np.arange(layer_arr.size, dtype=np.int64), (plan.num_pages, layer_arr.size)).ravel()
-    for s, d in zip(src.layout.strides, dst.layout.strides, strict=True):
-        src_off = s.base + plan.src_pages[:, None] * s.page_stride + layer_arr[None, :] * s.layer_stride
-        dst_off = d.base + plan.dst_pages[:, None] * d.page_stride + layer_arr[None, :] * d.layer_stride
-        if s.chunk_contiguous and d.chunk_contiguous:
-            shape = (1, page_size * s.row_bytes, page_size * s.row_bytes, page_size * s.row_bytes)
-        else:
-            shape = (page_size, s.row_bytes, d.token_stride, s.token_stride)
-        part = np.empty((src_off.size, 6), dtype=np.int64)
-        part[:, DST] = dst_off.ravel()
-        part[:, SRC] = src_off.ravel()
-        part[:, ROWS:] = shape
-        parts.append(part)
-        positions.append(pos)
-    descs, where = np.concatenate(parts), np.concatenate(positions)
+    descs, where = np.concatenate(parts), np.concatenate([pos] * len(parts))  # each chunk's layer position
     strided_src = not all(s.chunk_contiguous for s in src.layout.strides)
     order = np.lexsort((descs[:, SRC] if strided_src else descs[:, DST], where))
     descs, where = descs[order], where[order]
