@@ -60,7 +60,7 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t
 
 
-def bench_file(g: KVGeometry, items: list[tuple[bytes, bytes]], folder: Path, fsync: bool) -> dict[str, Any]:
+def bench_file(g: KVGeometry, items: list[tuple[bytes, bytes]], folder: Path, fsync: bool | str) -> dict[str, Any]:
     ident = TierIdentity.for_geometry(g, "bench@0")
     nbytes = len(items) * g.page_bytes
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
@@ -268,7 +268,7 @@ def main() -> None:
     result: dict[str, Any] = {"geometry": g.to_dict(), "batch": BATCH}
     wanted = {"all": ("file", "redis", "index"), "file": ("file", "index")}.get(args.backend, (args.backend,))
     if "file" in wanted:
-        result["file"] = [bench_file(g, items, Path(args.dir), fsync) for fsync in (False, True)]
+        result["file"] = [bench_file(g, items, Path(args.dir), fsync) for fsync in (False, True, "batch")]
     if "redis" in wanted:
         with tempfile.TemporaryDirectory() as tmp:
             server = None if args.redis_url else start_redis(tmp)

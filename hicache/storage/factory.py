@@ -100,7 +100,7 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
     """A tier of `backend` ("file", "redis" or "none") for `identity`; a file tier for a
     folder and identity that is already open in this process is shared, not opened twice.
 
-    extra for file: {"dir": PATH, "max_bytes": N, "fsync": bool}; for redis: {"url": ...,
+    extra for file: {"dir": PATH, "max_bytes": N, "fsync": true | false | "batch"}; for redis: {"url": ...,
     "cluster": bool, "timeout_s": ..., "ttl_s": ..., "backoff_initial_s": ...,
     "backoff_max_s": ...} (redis-cluster: the same without "cluster").
     Raises ValueError naming a bad backend, key or value.

@@ -4,9 +4,14 @@ Layout: <dir>/<identity qualifier>/<first 2 hex digits of key>/<key hex>.page, e
 page in page_format. A write goes to a temporary file in the same folder, is fsynced
 (unless fsync=False), then renamed over the final name, and the folder is fsynced: a page
 is acknowledged only once it is complete and durable, and a crash leaves at most a
-temporary file, which the next start deletes. The index (key -> size, in LRU order) lives
-in memory and is rebuilt by scanning the folder on start, oldest modification first; a
-read refreshes a file's modification time so the order survives restarts.
+temporary file, which the next start deletes. With fsync="batch" (group commit), a batch's
+files are written and renamed without a flush each, then one syncfs of the file system
+makes the data and the renames durable together before the batch is acknowledged: the same
+rule (acknowledged means durable) at one flush per batch; a crash before that flush can
+leave a renamed page without its data, which the start's scan drops (its size) or a read
+refuses (its checksum), never serves. The index (key -> size, in LRU order) lives in
+memory and is rebuilt by scanning the folder on start, oldest modification first; the read
+order is written to the files' modification times every RECENCY_BATCH reads and at close.
 
 One process owns one (dir, identity) folder (make_tier hands pools of one identity the same
 FileTier); machines share pages through Redis instead.
@@ -14,6 +19,7 @@ FileTier); machines share pages through Redis instead.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -43,8 +49,8 @@ def check_options(directory: object, max_bytes: object, fsync: object) -> None:
         raise ValueError(f"file tier dir {os.fspath(directory)!r} exists and is not a folder")
     if max_bytes is not None and (not is_int(max_bytes) or max_bytes < 1):
         raise ValueError(f"max_bytes must be an int >= 1 or None, got {max_bytes!r}")
-    if not isinstance(fsync, bool):
-        raise ValueError(f'file tier "fsync" must be true or false, got {fsync!r}')
+    if not isinstance(fsync, bool) and fsync != "batch":
+        raise ValueError(f'file tier "fsync" must be true, false or "batch", got {fsync!r}')
 
 
 RECENCY_BATCH = 1024  # reads between two writes of the read order to the files' mtimes
@@ -64,7 +70,7 @@ class FileTier(StorageTier):
         directory: str | os.PathLike[str],
         *,
         max_bytes: int | None = None,
-        fsync: bool = True,
+        fsync: bool | str = True,
     ):
         super().__init__(identity)
         check_options(directory, max_bytes, fsync)
@@ -271,7 +277,10 @@ class FileTier(StorageTier):
                     self._evict_locked(keep=items[i][0])
         for error, tmp in failures:
             self._failed(error, f"rename {tmp}")
-        if self.fsync:
+        if self.fsync == "batch" and dirs:
+            if not self._syncfs():  # unflushed pages are not acknowledged
+                ok = [False] * len(items)
+        elif self.fsync:
             for d in dirs:
                 self._fsync_dir(d)
         n_ok = sum(ok)
@@ -285,7 +294,7 @@ class FileTier(StorageTier):
     def _write_tmp(self, tmp: Path, header: bytes, data: Buffer) -> bool:
         try:
             tmp.parent.mkdir(exist_ok=True)
-            write_file(tmp, [header, data], self.fsync)
+            write_file(tmp, [header, data], self.fsync is True)
             return True
         except OSError as e:
             _unlink(tmp)
@@ -295,6 +304,18 @@ class FileTier(StorageTier):
     def _failed(self, e: OSError, what: str) -> None:
         self._count(write_failures=1, no_space=int(e.errno in _NO_SPACE))
         self._error(f"{what}: {e}")
+
+    def _syncfs(self) -> bool:
+        """One flush of the whole file system the tier is on (its files' data and the renames):
+        the group commit. False (counted as an error) when it failed."""
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            if _libc_syncfs(fd) != 0:
+                self._error(f"syncfs {self.root}: {os.strerror(ctypes.get_errno())}")
+                return False
+            return True
+        finally:
+            os.close(fd)
 
     def _fsync_dir(self, d: Path) -> None:
         try:
@@ -359,6 +380,15 @@ class FileTier(StorageTier):
             assert self.max_bytes is None or self._total <= self.max_bytes or len(self._index) <= 1
             for key, size in self._index.items():
                 assert self.path_of(key).stat().st_size == size, key.hex()
+
+
+def _libc_syncfs(fd: int) -> int:
+    """syncfs(2) through libc (Python's os has no syncfs); where it is missing, a sync(2)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "syncfs"):
+        return int(libc.syncfs(fd))
+    os.sync()
+    return 0
 
 
 def write_file(path: Path, parts: list[Buffer], fsync: bool) -> None:

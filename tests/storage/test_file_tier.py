@@ -146,3 +146,22 @@ def test_batch_read_reuses_one_buffer_and_stops_at_the_first_miss(tmp_path):
     p2 = tier.path_of(key(2))
     p2.write_bytes(p2.read_bytes()[:-1] + b"\x00")  # a flipped last byte: the checksum fails
     assert tier.batch_read([key(2)], sink) == 0 and tier.stats().corrupt == 1 and not p2.exists()
+
+
+def test_group_commit_flushes_once_per_batch_and_acknowledges_durable_pages(tmp_path, monkeypatch):
+    from hicache.storage import file as file_module
+
+    flushes, fsyncs = [], []
+    real_syncfs, real_fsync = file_module._libc_syncfs, os.fsync
+    monkeypatch.setattr(file_module, "_libc_syncfs", lambda fd: flushes.append(fd) or real_syncfs(fd))
+    monkeypatch.setattr(os, "fsync", lambda fd: fsyncs.append(fd) or real_fsync(fd))
+    g = GEOMETRIES["mimo_kv"]
+    tier = FileTier(identity(g), tmp_path, fsync="batch")
+    assert tier.batch_set([(key(i), payload(g, i)) for i in range(8)]) == [True] * 8
+    assert len(flushes) == 1 and fsyncs == []  # one flush for the batch, no fsync per file or folder
+    again = FileTier(identity(g), tmp_path, fsync="batch")  # what a restart finds
+    assert [bytes(again.get(key(i))) for i in range(8)] == [payload(g, i) for i in range(8)]
+    monkeypatch.setattr(file_module, "_libc_syncfs", lambda fd: -1)  # the flush fails: nothing acknowledged
+    assert tier.batch_set([(key(9), payload(g, 9))]) == [False] and tier.stats().errors == 1
+    with pytest.raises(ValueError, match='"fsync" must be true, false or "batch", got \'always\''):
+        FileTier(identity(g), tmp_path, fsync="always")

@@ -80,7 +80,7 @@ def test_a_file_that_cannot_be_removed_does_not_raise(tmp_path, monkeypatch):
     "backend,extra,message",
     [
         ("file", {"max_bytes": -1}, "max_bytes must be an int >= 1"),
-        ("file", {"fsync": "yes"}, '"fsync" must be true or false'),
+        ("file", {"fsync": "yes"}, '"fsync" must be true, false or "batch"'),
         ("file", {"dir": "/etc/passwd"}, "exists and is not a folder"),
         ("redis", {"url": "redis://x", "backoff_max_s": "10"}, "backoff_max_s must be a finite number"),
         ("redis", {"url": "redis://x", "timeout_s": True}, "timeout_s must be a finite number"),
