@@ -10,8 +10,8 @@ import numpy as np
 from hicache.client.handles import ProgressSlot
 from hicache.memory import SharedBuffer, open_shm
 from hicache.transfer import native
+from hicache.transfer.progress import SLOT_WORDS
 
-SLOT_WORDS = 16  # 64-byte slots: the generation, then the progress words
 log = logging.getLogger("hicache.client")
 
 

@@ -17,10 +17,9 @@ from collections import deque
 import numpy as np
 
 from hicache.memory import create_shm
-from hicache.transfer.progress import ProgressWords
+from hicache.transfer.progress import SLOT_WORDS, ProgressWords
 
 SLOTS = 256
-SLOT_WORDS = 16
 MAX_SHARES = SLOT_WORDS - 1
 
 

@@ -1,17 +1,15 @@
 /* hicache.transfer._native: one call copies a whole batch of strided row blocks.
  *
  * A copy descriptor is six int64s: (dst, src, rows, row_bytes, dst_stride, src_stride),
- * byte offsets into two flat buffers. copy_rows() takes a private copy of the descriptors,
- * checks every one against both buffers' sizes before it copies anything (rows must not
- * overlap on the destination, which also bounds the work), then copies with the GIL
- * released, so several Python threads can each run a share of one transfer at a time.
- *
- * copy_shares() does the same for a whole transfer of several layers, cut into shares that run
- * on threads of their own (share 0 in the calling thread), all in one call without the GIL:
- * after each layer, a share stores the count of layers it has done into its 32-bit progress
- * word (release order) and wakes its futex waiters, so another thread, or another process
- * that maps the word (a shared-memory progress block), waits for a layer with
- * wait_progress() without holding the GIL and without a message per layer.
+ * byte offsets into two flat buffers. copy_shares() takes a private copy of a transfer's
+ * descriptors, cut into shares and, within each, into layers; it checks every descriptor
+ * against both buffers' sizes before it copies anything (rows must not overlap on the
+ * destination, which also bounds the work), then runs the shares on threads of its own
+ * (share 0 in the calling thread), all without the GIL. After each layer, a share stores the
+ * count of layers it has done into its 32-bit progress word (release order) and wakes its
+ * futex waiters, so another thread, or another process that maps the word (a shared-memory
+ * progress block), waits for a layer with wait_progress() without holding the GIL and
+ * without a message per layer.
  *
  * With streaming=True, x86-64 builds write with non-temporal stores: a transfer larger than
  * the caches saves the read-for-ownership traffic that ordinary stores cost (each destination
@@ -208,36 +206,6 @@ static int check_buffers(uintptr_t dst_addr, long long dst_size, uintptr_t src_a
         return -1;
     }
     return 0;
-}
-
-static PyObject *copy_rows(PyObject *self, PyObject *args) {
-    uintptr_t dst_addr, src_addr;
-    long long dst_size, src_size;
-    PyObject *desc_obj;
-    Py_ssize_t group, n;
-    int streaming;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "O&LO&LOnp", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
-                          &desc_obj, &group, &streaming))
-        return NULL;
-    if (group < 1)
-        return PyErr_Format(PyExc_ValueError, "group must be >= 1, got %zd", group);
-    if (dst_size < 0 || src_size < 0)
-        return PyErr_Format(PyExc_ValueError, "buffer sizes must be >= 0, got %lld and %lld", dst_size, src_size);
-    CopyDesc *descs = load_descs(desc_obj, &n, dst_size, src_size);
-    if (descs == NULL)
-        return NULL;
-    if (n > 0 && (dst_addr == 0 || src_addr == 0)) {
-        PyMem_Free(descs);
-        return PyErr_Format(PyExc_ValueError, "buffer addresses must be non-zero");
-    }
-    if (group > n) /* one group of everything; also keeps first + group from overflowing */
-        group = n > 0 ? n : 1;
-    Py_BEGIN_ALLOW_THREADS
-    copy_all((char *)dst_addr, (const char *)src_addr, descs, n, group, streaming);
-    Py_END_ALLOW_THREADS
-    PyMem_Free(descs);
-    Py_RETURN_NONE;
 }
 
 /* ---- progress words ------------------------------------------------------------------ */
@@ -463,12 +431,6 @@ fail:
 }
 
 static PyMethodDef methods[] = {
-    {"copy_rows", copy_rows, METH_VARARGS,
-     "copy_rows(dst_addr, dst_size, src_addr, src_size, descriptors, group, streaming) -> None\n\n"
-     "Copy every (dst, src, rows, row_bytes, dst_stride, src_stride) descriptor of the int64\n"
-     "(n, 6) array from the src buffer to the dst buffer, row-interleaved within groups of\n"
-     "`group` descriptors. Raises ValueError, before copying anything, if a descriptor\n"
-     "reaches outside either buffer."},
     {"wait_progress", wait_progress, METH_VARARGS,
      "wait_progress(addr, target, timeout_s) -> int\n\n"
      "Wait, without the GIL, until the 32-bit word at addr is >= target or timeout_s seconds\n"

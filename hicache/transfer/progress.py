@@ -17,6 +17,7 @@ import numpy as np
 from hicache.transfer import native
 
 FAILED = 0xFFFFFFFF
+SLOT_WORDS = 16  # a progress-block slot (64 bytes): its generation, then up to 15 progress words
 
 
 class ProgressWords:

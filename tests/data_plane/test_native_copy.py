@@ -140,6 +140,13 @@ def test_split_keeps_groups_whole_and_covers_everything():
     assert native.split(native.CopyBatch(descs[:0]), 3) == []
 
 
+def copy_rows(dst: int, dst_size: int, src: int, src_size: int, descs: np.ndarray, group: int, streaming: bool) -> None:
+    """One share of one layer through the C copy: the whole descriptor array, no progress word."""
+    assert native._native is not None
+    shares = [(descs, np.array([len(descs)], dtype=np.int64))]
+    native._native.copy_shares(dst, dst_size, src, src_size, shares, group, streaming, [0])
+
+
 @needs_native
 @pytest.mark.parametrize(
     "desc,message",
@@ -156,14 +163,14 @@ def test_copy_rows_checks_every_descriptor_before_copying(desc, message):
     dst = torch.zeros(64, dtype=torch.uint8)
     descs = np.array([[0, 0, 1, 8, 8, 8], desc], dtype=np.int64)
     with pytest.raises(ValueError, match=message):
-        native._native.copy_rows(dst.data_ptr(), 64, src.data_ptr(), 64, descs, 1, False)  # type: ignore[union-attr]
+        copy_rows(dst.data_ptr(), 64, src.data_ptr(), 64, descs, 1, False)
     assert int(dst.count_nonzero()) == 0  # the valid first descriptor was not copied either
 
 
 @needs_native
 def test_copy_rows_rejects_bad_arguments():
     buf = torch.zeros(64, dtype=torch.uint8)
-    copy = native._native.copy_rows  # type: ignore[union-attr]
+    copy = copy_rows
     with pytest.raises(ValueError, match="shape \\(n, 6\\)"):
         copy(buf.data_ptr(), 64, buf.data_ptr(), 64, np.zeros((1, 5), dtype=np.int64), 1, False)
     with pytest.raises(ValueError, match="int64 array"):
@@ -191,7 +198,7 @@ def test_copy_rows_unaligned_rows_and_groups(streaming):
     src = torch.from_numpy(rng.integers(0, 256, 4096, dtype=np.uint8))
     dst = torch.zeros(8192, dtype=torch.uint8)
     descs = np.array([[3, 1, 3, 133, 1001, 141], [405, 700, 2, 77, 300, 90], [7000, 2000, 1, 1000, 1000, 1000]])
-    native._native.copy_rows(dst.data_ptr(), 8192, src.data_ptr(), 4096, descs, 2, streaming)  # type: ignore[union-attr]
+    copy_rows(dst.data_ptr(), 8192, src.data_ptr(), 4096, descs, 2, streaming)
     want = torch.zeros(8192, dtype=torch.uint8)
     for d, s, rows, n, ds, ss in descs.tolist():
         for r in range(rows):
