@@ -1,6 +1,10 @@
-"""Shared test helpers: filling pools with random bytes and comparing pages byte for byte."""
+"""Shared test helpers: filling pools with random bytes, comparing pages byte for byte, and
+waiting for what other threads or processes do."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -21,3 +25,12 @@ def page_bytes(pool: FlatPool, page: int, layers: list[int] | None = None) -> li
 
 def same_page(a: FlatPool, pa: int, b: FlatPool, pb: int, layers: list[int] | None = None) -> bool:
     return all(torch.equal(x, y) for x, y in zip(page_bytes(a, pa, layers), page_bytes(b, pb, layers), strict=True))
+
+
+def eventually(condition: Callable[[], object], timeout_s: float = 30.0, what: str = "the condition") -> None:
+    """Poll condition() every 20 ms until it is true. Raises AssertionError after timeout_s
+    (a bound on a hang, not a timing check)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout_s} s"
+        time.sleep(0.02)

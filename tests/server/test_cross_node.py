@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from conftest import load_config
+from helpers import eventually
 from sidecar_util import filled_device, keys_for, mimo_full, pages_of
 
 from hicache.api import KeyStatus, Tier
@@ -48,10 +48,8 @@ def nodes(redis_cluster: LocalRedisCluster) -> Iterator[tuple[str, str]]:
 
 def until_in_storage(client: HiCacheClient, keys: list[bytes], pool: Any) -> None:
     """Write-through is asynchronous: wait until node B sees all of A's pages in storage."""
-    deadline = time.monotonic() + 30
-    while client.lookup(keys, pool=pool).tiers != (Tier.STORAGE,) * len(keys):
-        assert time.monotonic() < deadline, client.lookup(keys, pool=pool)
-        time.sleep(0.05)
+    stored = (Tier.STORAGE,) * len(keys)
+    eventually(lambda: client.lookup(keys, pool=pool).tiers == stored, 30, "A's pages in storage on B")
 
 
 def test_a_prefix_offloaded_on_node_a_reloads_bit_exact_on_node_b(nodes: tuple[str, str]) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import eventually
 from sidecar_util import ROOT, filled_device, keys_for, mimo_geometries
 
 from hicache.api import EventBatch, EventKind, EventPool, Tier
@@ -90,17 +91,6 @@ def follow(address: str, view: View, ready: threading.Event, namespace: str | No
     return client
 
 
-def settle(view: View, until: Any, timeout_s: float = 20.0) -> None:  # until: () -> bool
-    deadline = threading.Event()
-    timer = threading.Timer(timeout_s, deadline.set)
-    timer.start()
-    try:
-        while not until():
-            assert not deadline.wait(0.02), "the events did not arrive"
-    finally:
-        timer.cancel()
-
-
 def test_a_routers_view_of_the_host_equals_lookup_after_a_random_workload(served: str) -> None:
     engine = HiCacheClient(served, timeout=30)
     dev = filled_device(8, seed=1)
@@ -134,12 +124,14 @@ def test_a_routers_view_of_the_host_equals_lookup_after_a_random_workload(served
 
     want = {first.pool_id: on_host(first), second.pool_id: on_host(second)}
     assert want[first.pool_id] and want[second.pool_id], "the workload left nothing on host"
-    settle(view, lambda: view.host == want)
+    eventually(lambda: view.host == want, 20, "the events")
     assert third.pool_id not in view.host  # unregistered: gone with its keys
     assert all(b.dropped == 0 for b in view.batches)
     kinds = {e.kind for b in view.batches for e in b.events}
     assert {EventKind.STORED, EventKind.REMOVED, EventKind.POOL_REGISTERED, EventKind.POOL_UNREGISTERED} <= kinds
-    settle(view, lambda: bool(view.storage.get(first.pool_id)))  # write-through reached the file tier
+    eventually(
+        lambda: bool(view.storage.get(first.pool_id)), 20, "a storage event"
+    )  # write-through reached the file tier
     watcher.close()
     engine.close()
 
@@ -154,7 +146,7 @@ def test_a_namespace_filter_sees_only_that_tenants_pools(served: str) -> None:
     keys = keys_for(4, seed=3)
     engine.offload(keys, [0, 1, 2, 3], pool=other)
     engine.offload(keys[:2], [0, 1], pool=mine)
-    settle(view, lambda: view.host.get(mine.pool_id) == set(keys[:2]))
+    eventually(lambda: view.host.get(mine.pool_id) == set(keys[:2]), 20, "the events")
     assert set(view.host) == {mine.pool_id}
     assert {e.pool.namespace for b in view.batches for e in b.events} == {"tenant-a"}
     watcher.close()

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from helpers import eventually
 from tier_helpers import GEOMETRIES, RedisServer, identity, key, payload
 
 from hicache.demo.redis_cluster import LocalRedisCluster
@@ -107,24 +107,17 @@ class Load:
         return self.hits, self.misses
 
 
-def wait_for(condition, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_a_master_killed_mid_run_fails_over_to_its_replica(own_cluster: LocalRedisCluster) -> None:
     tier = fast_tier(own_cluster.url)
     with Load(tier) as load:
-        wait_for(lambda: load.hits > 50)
+        eventually(lambda: load.hits > 50)
         victim = own_cluster.master_ports()[1]
         own_cluster.kill(victim)
-        wait_for(lambda: not tier.health().healthy or f"127.0.0.1:{victim}" in tier.nodes_down())
+        eventually(lambda: not tier.health().healthy or f"127.0.0.1:{victim}" in tier.nodes_down())
         own_cluster.wait_ok()  # the replica has taken over
-        wait_for(lambda: tier.health().healthy)
+        eventually(lambda: tier.health().healthy)
         hits_after = load.hits
-        wait_for(lambda: load.hits > hits_after + 100)  # hits again after the failover
+        eventually(lambda: load.hits > hits_after + 100)  # hits again after the failover
     assert not load.errors, load.errors
     assert load.wrong == 0, "a wrong page was served"
     assert load.misses > 0 or load.failed_writes > 0, "the failover cost nothing: was the master killed?"
@@ -141,12 +134,12 @@ def test_a_master_killed_mid_run_fails_over_to_its_replica(own_cluster: LocalRed
 def test_resharding_under_load_serves_only_verified_pages(own_cluster: LocalRedisCluster) -> None:
     tier = fast_tier(own_cluster.url)
     with Load(tier) as load:
-        wait_for(lambda: len(load.written) > 400)
+        eventually(lambda: len(load.written) > 400)
         masters = own_cluster.master_ports()
         own_cluster.reshard(masters[0], masters[1], 1500)
         own_cluster.reshard(masters[2], masters[0], 500)
         n_after = load.n
-        wait_for(lambda: load.n > n_after + 200)
+        eventually(lambda: load.n > n_after + 200)
     assert not load.errors, load.errors
     assert load.wrong == 0 and load.failed_writes == 0, (load.wrong, load.failed_writes)
     written = dict(load.written)
