@@ -141,12 +141,14 @@ class PoolEvents:
         self.bus, self.pool = bus, pool
 
     def host(self, change: str, keys: list[bytes]) -> None:
-        """HostIndex observer: change is "stored" or "removed"."""
-        self.bus.publish(EventKind(change), self.pool, Tier.HOST, keys)
+        """HostIndex observer (every bind, under the cache lock): change is "stored" or "removed"."""
+        if self.bus.subscribers:  # nobody listening: one length check on the offload path
+            self.bus.publish(EventKind(change), self.pool, Tier.HOST, keys)
 
     def storage(self, change: str, keys: list[bytes]) -> None:
         """StorageTier watcher: change is "stored" or "removed"."""
-        self.bus.publish(EventKind(change), self.pool, Tier.STORAGE, keys)
+        if self.bus.subscribers:
+            self.bus.publish(EventKind(change), self.pool, Tier.STORAGE, keys)
 
     def registered(self) -> None:
         self.bus.publish(EventKind.POOL_REGISTERED, self.pool)
