@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, for the lent GPU machine (the device tool; about 5 minutes there):
+# The GPU check, for the lent GPU machine (the device tool; at most about 6 minutes there):
 #   make gpu-check             # there: its python3 (3.12) already has torch, triton, cupy, grpcio...
 #   make gpu-check DRY_RUN=1   # anywhere: the script parses and every file it names exists
 # It installs no torch: it builds the C extension with that python, installs only the wheels
@@ -8,7 +8,7 @@
 # tests, benchmarks/transfer.py --device cuda for every host layout, and the two-process CUDA
 # IPC round trip with a layer-wise reload (scripts/gpu_ipc_check.py). Results: one JSON,
 # $OUT/gpu-check.json ($OUT is set there; else ./gpu-check-out/), and the logs of the build
-# and the tests beside it. Exits non-zero if a step failed.
+# and of every step beside it (steps.log). Exits non-zero if a step failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -35,17 +35,23 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
   export PYTHONPATH="$work/site"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-echo "== build the C extension with $("$PY" --version)"
-"$PY" setup.py -q build_ext --inplace >"$OUT_DIR/build.log" 2>&1 || failed=1
-echo "== CUDA tests"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" >"$OUT_DIR/tests.log" 2>&1 || failed=1
+log="$OUT_DIR/steps.log"
+step() { echo "== $*" | tee -a "$log"; }
+step "machine: $("$PY" --version 2>&1); $(nvidia-smi -L 2>&1 | head -1)"
+"$PY" -c 'import torch, triton, cupy, grpc, google.protobuf as pb; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "cupy", cupy.__version__, "grpc", grpc.__version__, "protobuf", pb.__version__)' >>"$log" 2>&1 || failed=1
+step "build the C extension"
+"$PY" setup.py -q build_ext --inplace >"$OUT_DIR/build.log" 2>&1 || { failed=1; echo "build failed" >>"$log"; }
+step "CUDA tests"
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rfE --tb=short "${TESTS[@]}" >"$OUT_DIR/tests.log" 2>&1 || failed=1
 for layout in "${LAYOUTS[@]}"; do
-  echo "== transfer --device cuda --layout $layout"
-  timeout 120 "$PY" benchmarks/transfer.py --device cuda --layout "$layout" --no-naive --json \
+  step "transfer --device cuda --layout $layout"
+  timeout 60 "$PY" benchmarks/transfer.py --device cuda --layout "$layout" --no-naive --repeat 5 --json \
     >"$work/transfer-$layout.json" 2>"$work/transfer-$layout.err" || failed=1
+  tail -5 "$work/transfer-$layout.err" >>"$log"
 done
-echo "== CUDA IPC round trip through the sidecar"
-timeout 180 "$PY" scripts/gpu_ipc_check.py "$work/ipc.json" >"$work/ipc.log" 2>&1 || failed=1
+step "CUDA IPC round trip through the sidecar"
+timeout 90 "$PY" scripts/gpu_ipc_check.py "$work/ipc.json" >"$work/ipc.err" 2>&1 || failed=1
+tail -30 "$work/ipc.err" >>"$log"
 "$PY" scripts/gpu_check_report.py "$work" "$OUT_DIR/tests.log" >"$OUT_DIR/gpu-check.json"
 cat "$OUT_DIR/gpu-check.json"
 exit "$failed"

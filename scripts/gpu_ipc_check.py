@@ -46,7 +46,8 @@ def main(out_path: str) -> int:
                 time.sleep(0.2)
             dev = DeviceKVPool(g, 2 * pages, "cuda")
             dev.flat.copy_(torch.randint(0, 256, (dev.nbytes,), dtype=torch.uint8, device="cuda"))
-            want = dev.flat[: pages * g.page_bytes].clone()
+            # pages, not flat bytes: the device pool is layer-first, so a page is spread over it
+            want = [dev.read_page(p).clone() for p in range(pages)]
             with HiCacheClient(f"unix://{sock}", timeout=120) as client:
                 client.register(dev, model_id="gpu-check")
                 keys = page_keys(list(range(pages * 64)), 64)
@@ -61,7 +62,7 @@ def main(out_path: str) -> int:
                 h.wait()
                 torch.cuda.synchronize()
                 reload_s = time.perf_counter() - t0
-                same = bool(torch.equal(dev.flat[pages * g.page_bytes : 2 * pages * g.page_bytes], want))
+                same = all(torch.equal(dev.read_page(pages + p), want[p]) for p in range(pages))
                 nbytes = pages * g.page_bytes
                 result.update(
                     stored=sum(s.name == "STORED" for s in r.statuses),

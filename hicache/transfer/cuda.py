@@ -48,12 +48,27 @@ def memcpy_segments(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tu
     return segments
 
 
-def choose_path(segments: list[Segment] | None, min_bytes: int = MEMCPY_MIN_BYTES) -> Path:
-    """ "memcpy" when every piece is contiguous and they average at least `min_bytes`."""
-    if not segments:
-        return "kernel"
-    mean = sum(n for _, _, n in segments) / len(segments)
-    return "memcpy" if mean >= min_bytes else "kernel"
+def mean_piece_bytes(src: FlatPool, dst: FlatPool, plan: TransferPlan) -> float | None:
+    """The mean size of the pieces memcpy_segments would cut `plan` into (the same for any
+    set of layers), counted from the page runs without listing the pieces; None when some
+    chunk is strided on either side."""
+    g = src.geometry
+    pairs = list(zip(src.layout.strides, dst.layout.strides, strict=True))
+    if plan.num_pages == 0 or not all(ss.chunk_contiguous and ds.chunk_contiguous for ss, ds in pairs):
+        return None
+    pieces = total = 0
+    for buffer, (ss, ds) in zip(g.buffers, pairs, strict=True):
+        chunk = g.chunk_bytes(buffer)
+        merged = ss.page_stride == chunk and ds.page_stride == chunk
+        pieces += len(plan.runs) if merged else plan.num_pages
+        total += plan.num_pages * chunk
+    return total / pieces
+
+
+def choose_path(mean_bytes: float | None, min_bytes: int = MEMCPY_MIN_BYTES) -> Path:
+    """ "memcpy" when every piece is contiguous (mean_bytes is not None) and they average at
+    least `min_bytes`; else "kernel"."""
+    return "memcpy" if mean_bytes is not None and mean_bytes >= min_bytes else "kernel"
 
 
 def copy_segments(src: FlatPool, dst: FlatPool, segments: list[Segment]) -> None:
@@ -108,8 +123,10 @@ class CudaCopier:
         return events
 
     def _copy(self, src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tuple[int, ...]) -> None:
-        segments = memcpy_segments(src, dst, plan, layers) if self.mode == "auto" else None
-        if choose_path(segments) == "memcpy":
+        # the choice is counted, not listed: listing a large transfer's pieces in Python
+        # costs about as long as the kernels take to copy them
+        if self.mode == "auto" and choose_path(mean_piece_bytes(src, dst, plan)) == "memcpy":
+            segments = memcpy_segments(src, dst, plan, layers)
             assert segments is not None
             copy_segments(src, dst, segments)
         else:

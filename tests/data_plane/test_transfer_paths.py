@@ -8,7 +8,7 @@ from helpers import fill_random, same_page
 from hicache import DeviceKVPool, HostKVPool, KVGeometry, TransferEngine
 from hicache.pools import LAYOUTS
 from hicache.transfer.cpu import CpuCopier, copy_views, full_views, split_shares
-from hicache.transfer.cuda import choose_path, copy_segments, memcpy_segments
+from hicache.transfer.cuda import choose_path, copy_segments, mean_piece_bytes, memcpy_segments
 
 
 def mimo(page_size: int = 8) -> KVGeometry:
@@ -109,7 +109,23 @@ def test_memcpy_path_needs_contiguous_chunks_and_large_pieces():
     direct = HostKVPool(g, 4, "page_first_direct")
     plan = TransferEngine(dev, direct).offload_plan([0, 1], [2, 3])
     assert memcpy_segments(dev, strided, plan, plan.layers) is None
+    assert mean_piece_bytes(dev, strided, plan) is None
     assert choose_path(None) == "kernel"
-    segments = memcpy_segments(dev, direct, plan, plan.layers)
-    assert choose_path(segments, min_bytes=64 << 10) == "memcpy"  # 96 KiB K, 64 KiB V chunks
-    assert choose_path(segments, min_bytes=1 << 20) == "kernel"
+    mean = mean_piece_bytes(dev, direct, plan)
+    assert mean == (96 + 64) * 1024 / 2  # one 96 KiB K and one 64 KiB V chunk per page
+    assert choose_path(mean, min_bytes=64 << 10) == "memcpy"
+    assert choose_path(mean, min_bytes=1 << 20) == "kernel"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("pages", [[0, 1, 2, 3, 7], [5, 2, 6, 0], [1]])
+def test_the_counted_mean_piece_is_that_of_the_listed_pieces(layout: str, pages: list[int]) -> None:
+    g = mimo(page_size=16)
+    dev, host = DeviceKVPool(g, 8), HostKVPool(g, 8, layout)
+    plan = TransferEngine(dev, host).offload_plan(pages, [7 - p for p in pages][::-1])
+    segments = memcpy_segments(dev, host, plan, plan.layers)
+    mean = mean_piece_bytes(dev, host, plan)
+    if segments is None:
+        assert mean is None
+    else:
+        assert mean == sum(n for _, _, n in segments) / len(segments)
