@@ -55,6 +55,9 @@ class PoolInfo:
     pool_secret: str = ""  # required (as call metadata) by every later call naming the pool
     progress_shm_name: str = ""  # the pool's progress block (layer-wise reloads), "" for none
     progress_nbytes: int = 0
+    # CUDA pools: the layer events' IPC handles (layer_event_slots x layer_num, slot-major)
+    layer_event_handles: tuple[bytes, ...] = ()
+    layer_event_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,10 @@ class TransferResult:
     progress_slot: int = 0
     progress_generation: int = 0
     progress_words: int = 0
+    # a layer-wise reload on CUDA: the slot of the pool's layer events it recorded, and how
+    # many (0: none, follow Watch)
+    event_slot: int = 0
+    event_layers: int = 0
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ step "machine: $("$PY" --version 2>&1); $(nvidia-smi -L 2>&1 | head -1)"
 step "build the C extension"
 "$PY" setup.py -q build_ext --inplace >"$OUT_DIR/build.log" 2>&1 || { failed=1; echo "build failed" >>"$log"; }
 step "CUDA tests"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rfE --tb=short "${TESTS[@]}" >"$OUT_DIR/tests.log" 2>&1 || failed=1
+timeout 150 "$PY" -m pytest -p no:cacheprovider -rfE --tb=short "${TESTS[@]}" >"$OUT_DIR/tests.log" 2>&1 || failed=1
 for layout in "${LAYOUTS[@]}"; do
   step "transfer --device cuda --layout $layout"
   timeout 60 "$PY" benchmarks/transfer.py --device cuda --layout "$layout" --no-naive --repeat 5 --json \

@@ -109,6 +109,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             tp_rank=request.tp_rank,
             tp_size=request.tp_size or 1,
             device_layout=request.device_layout,
+            offload_events=list(request.offload_event_handles),
         )
         if isinstance(info, NoSpace):
             raise Exhausted(info.reason)
@@ -125,6 +126,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             pool_secret=info.pool_secret,
             progress_shm_name=info.progress_shm_name,
             progress_nbytes=info.progress_nbytes,
+            layer_event_handles=list(info.layer_event_handles),
+            layer_event_slots=info.layer_event_slots,
         )
 
     @_mapped
@@ -143,7 +146,9 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     @_mapped
     def Offload(self, request: pb.OffloadRequest, context: grpc.ServicerContext) -> pb.OffloadResponse:
         self._own(request.pool_id, context)
-        r = self.service.offload(request.request_id, request.pool_id, list(request.keys), list(request.device_pages))
+        r = self.service.offload(
+            request.request_id, request.pool_id, list(request.keys), list(request.device_pages), request.ready_event
+        )
         return pb.OffloadResponse(statuses=convert.statuses_to_pb(r.statuses), bytes_copied=r.bytes_copied)
 
     @_mapped
@@ -164,6 +169,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             progress_slot=r.progress_slot,
             progress_generation=r.progress_generation,
             progress_words=r.progress_words,
+            event_slot=r.event_slot,
+            event_layers=r.event_layers,
         )
 
     @_mapped

@@ -44,12 +44,13 @@ from hicache.api import (
     TransferResult,
 )
 from hicache.client.connection import Connection
+from hicache.client.cuda_events import PoolCudaEvents
 from hicache.client.handles import HiCacheRpcError, ReloadHandle
 from hicache.client.progress_blocks import ProgressBlocks
 from hicache.client.tls import ClientTls
 from hicache.geometry import KVGeometry
 from hicache.keys import HashName, page_keys
-from hicache.memory import MemoryHandle, send_fds
+from hicache.memory import MemoryHandle, cuda_available, send_fds
 from hicache.rpc import convert
 from hicache.rpc.generated import hicache_pb2 as pb
 
@@ -108,6 +109,7 @@ class HiCacheClient:
         self._admin = admin_token
         self._default: str | None = None
         self._blocks = ProgressBlocks()  # the progress blocks of this client's pools, mapped
+        self._cuda_events: dict[str, PoolCudaEvents] = {}  # CUDA pools: offload and layer events
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _call(
@@ -197,6 +199,8 @@ class HiCacheClient:
         layer_first). The sidecar then copies straight from and to the engine's pages."""
         if not isinstance(namespace, str):
             raise ValueError(f"namespace must be a str, got {type(namespace).__name__}")
+        # a CUDA pool's offloads wait for the caller's stream on the GPU, through these events
+        events = PoolCudaEvents.create(cuda_device) if memory.kind == "cuda_ipc" and cuda_available() else None
         request = pb.RegisterPoolRequest(
             request_id=self._rid(),
             group=group,
@@ -209,8 +213,16 @@ class HiCacheClient:
             tp_rank=tp_rank,
             tp_size=tp_size,
             device_layout=device_layout,
+            offload_event_handles=events.offload.handles if events is not None else [],
         )
-        r = self._call(self._stub.RegisterPool, request, wait=True)
+        try:
+            r = self._call(self._stub.RegisterPool, request, wait=True)
+            if events is not None:
+                events.open_layer_events(r.layer_event_handles, r.layer_event_slots)
+        except BaseException:
+            if events is not None:
+                events.close()
+            raise
         g = geometry
         info = RegisteredPool(
             r.pool_id,
@@ -230,6 +242,8 @@ class HiCacheClient:
         self._pools[info.pool_id] = info
         self._secrets[info.pool_id] = r.pool_secret
         self._blocks.map(info.pool_id, r.progress_shm_name, r.progress_nbytes)
+        if events is not None:
+            self._cuda_events[info.pool_id] = events
         self._default = info.pool_id
         self._conn.keep_alive(lambda: [(p, i.secret) for p, i in list(self._pools.items())], info.lease_timeout_s)
         return info
@@ -247,6 +261,9 @@ class HiCacheClient:
         self._call(self._stub.UnregisterPool, request, retry=retry, pool=info.pool_id)
         del self._pools[info.pool_id]
         self._blocks.unmap(info.pool_id)
+        events = self._cuda_events.pop(info.pool_id, None)
+        if events is not None:
+            events.close()
         if self._default == info.pool_id:
             self._default = next(iter(self._pools), None)
 
@@ -260,9 +277,19 @@ class HiCacheClient:
 
     # ---- calls -----------------------------------------------------------------------------------
     def offload(self, keys: Sequence[bytes], device_pages: Sequence[int], *, pool: PoolRef = None) -> TransferResult:
-        """Copy device_pages[i] to the host under keys[i]: STORED, DEDUPLICATED or NO_SPACE each."""
+        """Copy device_pages[i] to the host under keys[i]: STORED, DEDUPLICATED or NO_SPACE each.
+
+        A CUDA pool's pages are copied once the work queued on the caller's current stream
+        before this call is done (an event the sidecar's copy waits for on the GPU): no
+        synchronize is needed first."""
+        pool_id = self._pool(pool).pool_id
+        events = self._cuda_events.get(pool_id)
         req = pb.OffloadRequest(
-            request_id=self._rid(), pool_id=self._pool(pool).pool_id, keys=list(keys), device_pages=_ints(device_pages)
+            request_id=self._rid(),
+            pool_id=pool_id,
+            keys=list(keys),
+            device_pages=_ints(device_pages),
+            ready_event=events.record_ready() if events is not None else 0,
         )
         r = self._call(self._stub.Offload, req, pool=req.pool_id)
         return TransferResult(convert.statuses_from_pb(r.statuses), r.bytes_copied)
@@ -271,7 +298,9 @@ class HiCacheClient:
         self, keys: Sequence[bytes], device_pages: Sequence[int], *, layerwise: bool = False, pool: PoolRef = None
     ) -> ReloadHandle:
         """Copy keys[i] from the host into device_pages[i]; absent keys are NOT_FOUND and their
-        device pages untouched. Not layer-wise, the copy is done when this returns."""
+        device pages untouched. Not layer-wise, the copy is done when this returns. Layer-wise
+        on a CUDA pool, the handle's wait_layer(i) orders the caller's current stream after
+        layer i's copy (on the GPU) and returns at once; wait() waits on the host."""
         info = self._pool(pool)
         req = pb.ReloadRequest(
             request_id=self._rid(),
@@ -287,10 +316,13 @@ class HiCacheClient:
         def watch() -> Any:
             return self._stub.Watch(watch_req, timeout=self.timeout, metadata=self._pool_metadata(info.pool_id))
 
-        slot = None
+        slot = stream_wait = None
         if not r.done and r.progress_words:
             slot = self._blocks.slot(info.pool_id, r.progress_slot, r.progress_generation, r.progress_words)
-        return ReloadHandle(result, info.layer_num, None if r.done else watch, slot)
+        events = self._cuda_events.get(info.pool_id)
+        if not r.done and r.event_layers and events is not None:
+            stream_wait = events.layer_waiter(r.event_slot, r.event_layers)
+        return ReloadHandle(result, info.layer_num, None if r.done else watch, slot, stream_wait)
 
     def prefetch(self, keys: Sequence[bytes], *, policy: str = "", pool: PoolRef = None) -> PrefetchOutcome:
         """Bring keys from the storage tier into host memory: each key is RESIDENT, FETCHING
@@ -380,6 +412,9 @@ class HiCacheClient:
             except HiCacheRpcError:
                 self._pools.pop(pool_id, None)
         self._blocks.close()
+        for events in self._cuda_events.values():
+            events.close()
+        self._cuda_events.clear()
         self._conn.close()
 
     def __enter__(self) -> HiCacheClient:

@@ -44,7 +44,9 @@ class ReloadHandle:
     is on the device. A layer-wise reload with a progress slot (a sidecar on this host with
     the native copy path) is waited on in that shared memory, on a futex, without a message
     per layer; otherwise, or once the slot says the reload failed (or was reused), the
-    handle follows the sidecar's Watch stream in a thread.
+    handle follows the sidecar's Watch stream in a thread. On a CUDA pool with layer events
+    (`stream_wait`), wait_layer(i) makes the caller's current CUDA stream wait for layer i
+    on the GPU and returns at once; a failure then surfaces from wait().
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class ReloadHandle:
         layer_num: int,
         watch: Callable[[], Any] | None,
         slot: ProgressSlot | None = None,
+        stream_wait: Callable[[int], None] | None = None,
     ):
         self.statuses = result.statuses
         self.op_id = result.op_id
@@ -65,6 +68,7 @@ class ReloadHandle:
         self._watch = watch
         self._watching = False
         self._slot = None if result.done else slot
+        self._stream_wait = None if result.done else stream_wait
         if not result.done and slot is None:
             self._follow_watch()
 
@@ -116,6 +120,12 @@ class ReloadHandle:
                 self._finished, self._error = True, event.error or "reload failed"
             self._cond.notify_all()
 
+    @property
+    def gpu_waits(self) -> bool:
+        """Whether wait_layer orders the CUDA stream after the layer (layer events) instead
+        of blocking the host."""
+        return self._stream_wait is not None
+
     def done(self) -> bool:
         with self._cond:
             if self._finished:
@@ -134,10 +144,14 @@ class ReloadHandle:
             return self._finished
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        """Block until `layer` is reloaded. Raises ValueError for a bad layer, RuntimeError if
-        the reload failed, TimeoutError after `timeout` s."""
+        """Block until `layer` is reloaded (CUDA layer events: order the current stream after
+        it, without blocking). Raises ValueError for a bad layer, RuntimeError if the reload
+        failed, TimeoutError after `timeout` s."""
         if not is_int(layer) or not 0 <= layer < self.layer_num:
             raise ValueError(f"layer {layer!r} out of range [0, {self.layer_num})")
+        if self._stream_wait is not None:
+            self._stream_wait(layer)  # the GPU waits; the host goes on
+            return
         if self._slot_wait(layer + 1, timeout):
             return
         self._follow_watch()

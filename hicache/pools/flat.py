@@ -47,11 +47,12 @@ class FlatPool:
         Shape: [pages, layers, page_size, row_bytes]. Writes through to the pool.
         """
         s = self.layout.strides[buffer]
+        flat = self.flat
         return torch.as_strided(
-            self.flat,
+            flat,
             (pages, layers, self.geometry.page_size, s.row_bytes),
             (s.page_stride, s.layer_stride, s.token_stride, 1),
-            s.offset(page, layer),
+            flat.storage_offset() + s.offset(page, layer),  # as_strided counts from the storage's start
         )
 
     def read_page(self, page: int) -> torch.Tensor:

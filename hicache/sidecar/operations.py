@@ -15,6 +15,7 @@ from hicache.transfer.progress import FAILED, ProgressWords
 
 if TYPE_CHECKING:
     from hicache.transfer import TransferEngine
+    from hicache.transfer.handles import TransferHandle
 
 
 class Operation:
@@ -68,15 +69,16 @@ def copy_layers(
     *,
     per_layer: bool,
     progress: ProgressWords | None = None,
+    started: TransferHandle | None = None,
 ) -> int:
     """Reload host_pages into dev_pages, publishing each finished layer to `op` (layer by
     layer as the copy goes when per_layer, else all at the end), and, per_layer, into the
     `progress` words (a progress-block slot the engine waits on); returns the bytes copied.
-    A failure is published as FAILED (and FAILED into the words) and re-raised; DONE is the
-    caller's to publish."""
+    `started`: that layer-wise reload, already started by the caller. A failure is published
+    as FAILED (and FAILED into the words) and re-raised; DONE is the caller's to publish."""
     try:
         if per_layer:
-            handle = engine.reload_async(host_pages, dev_pages, progress=progress)
+            handle = started or engine.reload_async(host_pages, dev_pages, progress=progress)
             for layer in range(op.layer_num):
                 handle.wait_layer_host(layer)  # on CUDA too: the engine reads it once announced
                 op.layer_done(layer, layer + 1)

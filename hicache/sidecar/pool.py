@@ -5,6 +5,7 @@ the host index and the transfers between them. Validates everything before chang
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import threading
 import time
@@ -19,12 +20,15 @@ from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.sidecar.checks import check_keys, check_pages
 from hicache.sidecar.errors import StateError
 from hicache.sidecar.events import PoolEvents
+from hicache.sidecar.layer_events import LayerEvents
 from hicache.sidecar.operations import Operation, OperationTable, PrefetchTable, copy_layers, prefetch_statuses
 from hicache.sidecar.pool_stats import Counters, pool_stats
 from hicache.sidecar.progress_block import ProgressBlock
 from hicache.sidecar.registration import PoolIdentity
 from hicache.transfer import TransferEngine
+from hicache.transfer.cuda import StreamHook
 from hicache.transfer.engine import Backend
+from hicache.transfer.handles import TransferHandle
 from hicache.transfer.progress import ProgressWords
 from hicache.validate import is_int
 
@@ -47,9 +51,12 @@ class RegisteredPool:
         io_backend: Backend = "auto",
         clock: Callable[[], float] = time.monotonic,
         events: PoolEvents | None = None,
+        offload_events: Any = None,
     ):
         """`events`: where the pool publishes KV events (registered now, unregistered at close,
-        and every change of what its host index and storage tier hold)."""
+        and every change of what its host index and storage tier hold). `offload_events`: the
+        engine's interprocess CUDA events, opened (an OpenedIpcEvents, closed with the pool),
+        that offloads wait for on the GPU."""
         assert isinstance(cache.pool, HostKVPool)
         self.identity = identity
         self.device = device
@@ -69,6 +76,10 @@ class RegisteredPool:
         self._clock = clock
         # where layer-wise reloads publish their layers for the engine (the native CPU path)
         self.progress = ProgressBlock() if self.engine.backend == "native" else None
+        # CUDA pools: the layer events layer-wise reloads record for the engine's stream
+        on_cuda = bool(device.flat.is_cuda)
+        self.layer_events = LayerEvents(self.geometry.layer_num, device.flat.device.index or 0) if on_cuda else None
+        self.offload_events = offload_events
         self.events = events
         if events is not None:
             cache.index.observer = events.host
@@ -112,23 +123,37 @@ class RegisteredPool:
             raise StateError(f"pool {self.identity.pool_id}: {problem}; register the pool again")
 
     # ---- transfers ------------------------------------------------------------------------
-    def offload(self, keys: Sequence[bytes], device_pages: Sequence[int]) -> TransferResult:
+    def offload(self, keys: Sequence[bytes], device_pages: Sequence[int], ready_event: int = 0) -> TransferResult:
         """Copy device_pages[i] to host under keys[i]. A key already on host (or being filled)
         is DEDUPLICATED; keys past the free + evictable host pages are NO_SPACE (the earliest
-        keys get stored). The write policy then decides what goes to storage."""
+        keys get stored). The write policy then decides what goes to storage. ready_event:
+        1 + the index of the engine's offload event the copy waits for on the GPU; 0: none."""
         ks = self.check_keys(keys, unique=True)
         pages = self.check_pages(device_pages, len(ks))
+        ready = self._ready_hook(ready_event)
         self.check_device()
         with self._in_flight():
-            return self._offload(ks, pages)
+            return self._offload(ks, pages, ready)
 
-    def _offload(self, ks: list[bytes], pages: list[int]) -> TransferResult:
+    def _ready_hook(self, ready_event: int) -> StreamHook | None:
+        """The copy stream's wait for the engine's event `ready_event` (1-based). Raises ValueError."""
+        if ready_event == 0:
+            return None
+        count = len(self.offload_events) if self.offload_events is not None else 0
+        if not is_int(ready_event) or not 1 <= ready_event <= count:
+            raise ValueError(
+                f"ready_event must be 0 or 1..{count} (the pool's registered offload events), got {ready_event!r}"
+            )
+        events, index = self.offload_events, ready_event - 1
+        return lambda stream: events.wait(index, stream)
+
+    def _offload(self, ks: list[bytes], pages: list[int], ready: StreamHook | None = None) -> TransferResult:
         where = dict(zip(ks, pages, strict=True))
         res = self.cache.reserve(ks, partial=True)
         assert res is not None
         t0 = time.perf_counter()
         try:
-            nbytes = self.engine.offload([where[k] for k, _ in res.new], [p for _, p in res.new])
+            nbytes = self.engine.offload([where[k] for k, _ in res.new], [p for _, p in res.new], ready=ready)
         except BaseException:
             self.cache.abort(res)
             raise
@@ -176,6 +201,8 @@ class RegisteredPool:
         nbytes = n * self.geometry.page_bytes
         if layerwise and self.progress is not None:
             return self._reload_layerwise(op, statuses, nbytes, args)
+        if layerwise and self.layer_events is not None and n:
+            return self._reload_with_events(op, statuses, nbytes, args)
         if not layerwise:
             try:
                 self._copy_layers(*args, per_layer=False)
@@ -184,17 +211,7 @@ class RegisteredPool:
                 raise
             self.cache.release(loaded.keys)
             return TransferResult(statuses, nbytes, op.op_id, True)
-        worker = threading.Thread(target=self._reload_worker, args=args, daemon=True)
-        with self.lock:
-            self._busy += 1  # the worker's own count, dropped when it ends
-        try:
-            worker.start()
-        except BaseException as exc:
-            self.cache.release(loaded.keys)
-            self._done_one()
-            op.failed(f"{type(exc).__name__}: {exc}", 0)
-            raise
-        return TransferResult(statuses, nbytes, op.op_id, False)
+        return self._start_worker(op, statuses, nbytes, args, None)
 
     def _reload_layerwise(
         self, op: Operation, statuses: tuple[KeyStatus, ...], nbytes: int, args: tuple[Any, ...]
@@ -202,22 +219,64 @@ class RegisteredPool:
         """A layer-wise reload that also publishes into a progress-block slot (when one is
         free): the engine waits on the slot's words; Watch still has every event."""
         assert self.progress is not None
-        taken = self.progress.acquire(self.engine.shares)
-        slot, generation, words = taken if taken is not None else (0, 0, None)
-        worker = threading.Thread(target=self._reload_worker, args=(*args, words, slot), daemon=True)
+        progress = self.progress
+        taken = progress.acquire(self.engine.shares)
+        if taken is None:
+            return self._start_worker(op, statuses, nbytes, args, None)
+        slot, generation, words = taken
+        result = self._start_worker(op, statuses, nbytes, args, lambda: progress.release(slot), words=words)
+        return dataclasses.replace(
+            result, progress_slot=slot, progress_generation=generation, progress_words=len(words)
+        )
+
+    def _reload_with_events(
+        self, op: Operation, statuses: tuple[KeyStatus, ...], nbytes: int, args: tuple[Any, ...]
+    ) -> TransferResult:
+        """A layer-wise reload on CUDA that records a slot of layer events (when one is free)
+        before answering: the engine's stream waits for each layer on the GPU; a worker still
+        follows the copy for Watch and frees the slot when it is done."""
+        assert self.layer_events is not None
+        events = self.layer_events
+        slot = events.acquire()
+        if slot is None:
+            return self._start_worker(op, statuses, nbytes, args, None)
+        _, keys, host_pages, dev_pages = args
+        try:
+            handle = self.engine.reload_async(host_pages, dev_pages, after_layer=events.recorder(slot))
+        except BaseException as exc:
+            self.cache.release(keys)
+            events.release(slot)
+            op.failed(f"{type(exc).__name__}: {exc}", 0)
+            raise
+        result = self._start_worker(op, statuses, nbytes, args, lambda: events.release(slot), handle)
+        return dataclasses.replace(result, event_slot=slot, event_layers=self.geometry.layer_num)
+
+    def _start_worker(
+        self,
+        op: Operation,
+        statuses: tuple[KeyStatus, ...],
+        nbytes: int,
+        args: tuple[Any, ...],
+        release: Callable[[], None] | None,
+        started: TransferHandle | None = None,
+        words: ProgressWords | None = None,
+    ) -> TransferResult:
+        """Run _reload_worker in a thread of its own (`release` frees its slot when it ends);
+        answer with the op to Watch."""
+        kwargs = {"release": release, "started": started, "words": words}
+        worker = threading.Thread(target=self._reload_worker, args=args, kwargs=kwargs, daemon=True)
         with self.lock:
-            self._busy += 1
+            self._busy += 1  # the worker's own count, dropped when it ends
         try:
             worker.start()
         except BaseException as exc:
             self.cache.release(args[1])
             self._done_one()
-            if words is not None:
-                self.progress.release(slot)
+            if release is not None:
+                release()
             op.failed(f"{type(exc).__name__}: {exc}", 0)
             raise
-        used = len(words) if words is not None else 0
-        return TransferResult(statuses, nbytes, op.op_id, False, slot, generation, used)
+        return TransferResult(statuses, nbytes, op.op_id, False)
 
     def _reload_worker(
         self,
@@ -225,17 +284,19 @@ class RegisteredPool:
         keys: list[bytes],
         host_pages: list[int],
         dev_pages: list[int],
+        *,
+        release: Callable[[], None] | None = None,
+        started: TransferHandle | None = None,
         words: ProgressWords | None = None,
-        slot: int = 0,
     ) -> None:
         try:
-            self._copy_layers(op, keys, host_pages, dev_pages, per_layer=True, progress=words)
+            self._copy_layers(op, keys, host_pages, dev_pages, per_layer=True, progress=words, started=started)
         except Exception:
             pass  # already published to the operation as FAILED
         finally:
             self.cache.release(keys)
-            if words is not None and self.progress is not None:
-                self.progress.release(slot)
+            if release is not None:
+                release()
             self._done_one()
 
     def _copy_layers(
@@ -247,11 +308,14 @@ class RegisteredPool:
         *,
         per_layer: bool,
         progress: ProgressWords | None = None,
+        started: TransferHandle | None = None,
     ) -> None:
         """Copy (one layer at a time when per_layer, publishing each), count, publish DONE or
         FAILED."""
         t0 = time.perf_counter()
-        nbytes = copy_layers(self.engine, op, host_pages, dev_pages, per_layer=per_layer, progress=progress)
+        nbytes = copy_layers(
+            self.engine, op, host_pages, dev_pages, per_layer=per_layer, progress=progress, started=started
+        )
         with self.lock:
             self.counters.reload_bytes += nbytes
             self.counters.reload_s += time.perf_counter() - t0 if host_pages else 0.0
@@ -374,6 +438,10 @@ class RegisteredPool:
             self.engine.close()
             if self.progress is not None:
                 self.progress.close()
+            if self.layer_events is not None:
+                self.layer_events.close()
+            if self.offload_events is not None:
+                self.offload_events.close()
             self.host.close()
             self.device.close()
         finally:

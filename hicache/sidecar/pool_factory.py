@@ -30,6 +30,12 @@ def build_pool(
         else:
             device = map_device(req.geometry, req.device_pages, req.device_memory, req.cuda_device, ipc)
         undo.callback(device.close)
+        offload_events = None
+        if req.offload_events:
+            from hicache.memory.cuda_events import OpenedIpcEvents
+
+            offload_events = OpenedIpcEvents(req.offload_events, req.cuda_device, "offload_event_handles")
+            undo.callback(offload_events.close)
         host = HostKVPool(req.geometry, host_pages, config.host_layout)
         undo.callback(host.close)
         tier = config.hierarchy.make_tier(req.geometry, req.stored_model_id, req.namespace)
@@ -56,6 +62,7 @@ def build_pool(
             events=PoolEvents(
                 bus, EventPool(identity.pool_id, req.namespace, req.model_id, req.group, req.tp_rank, req.tp_size)
             ),
+            offload_events=offload_events,
         )
         undo.pop_all()
         return pool

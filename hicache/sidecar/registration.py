@@ -8,8 +8,11 @@ from typing import TYPE_CHECKING
 from hicache.geometry import KVGeometry
 from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, FdStore, MemoryHandle, cuda_available, cuda_device_count, map_fds, open_shm
+from hicache.memory.cuda_events import check_event_handles
 from hicache.pools.layouts import BlockLayout, EngineLayout, Layout, check_engine_layout
 from hicache.validate import is_int
+
+MAX_OFFLOAD_EVENTS = 256  # interprocess events one engine may hand a pool for its offloads
 
 if TYPE_CHECKING:
     from hicache.pools import DeviceKVPool
@@ -51,6 +54,7 @@ class PoolRequest:
     tp_rank: int = 0
     tp_size: int = 1
     device_layout: str = ""  # "" (hicache's layer_first), an EngineLayout or a BlockLayout name
+    offload_events: tuple[bytes, ...] = ()  # the engine's interprocess CUDA events (CUDA pools)
 
     def check(self, expected: dict[str, KVGeometry] | None, storage_backend: str) -> None:
         """Raises ValueError naming the first bad value; nothing is mapped or allocated yet."""
@@ -72,6 +76,13 @@ class PoolRequest:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
         if not is_int(tp_rank) or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
+        if self.offload_events:
+            if self.device_memory.kind != "cuda_ipc":
+                raise ValueError(
+                    "offload_event_handles are CUDA events, for CUDA pools; "
+                    f"device memory of kind {self.device_memory.kind!r} needs none"
+                )
+            check_event_handles("offload_event_handles", self.offload_events, MAX_OFFLOAD_EVENTS)
         if self.device_layout:
             check_engine_layout(self.device_layout)
             kinds = ("fd", "shm", "cuda_ipc") if self.device_layout.startswith(BlockLayout.PREFIX) else ("fd", "shm")

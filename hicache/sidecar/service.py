@@ -88,6 +88,7 @@ class HiCacheService:
         tp_rank: int = 0,
         tp_size: int = 1,
         device_layout: str = "",
+        offload_events: Sequence[bytes] = (),
     ) -> PoolInfo | NoSpace:
         """Validate the geometry, map the device memory, create the host pool and its tier.
 
@@ -95,7 +96,8 @@ class HiCacheService:
         a bad page count, memory handle, key hash, model id or TP rank. device_layout: "" for
         hicache's device pool, or the engine's own layout (EngineLayout) of memory it shares
         (fds it sent, or shm), which the sidecar then copies from directly. Returns NoSpace when
-        the pool limit is reached or the host memory does not fit.
+        the pool limit is reached or the host memory does not fit. offload_events: IPC handles
+        of the engine's interprocess CUDA events that offloads may name to wait for (CUDA pools).
         """
         req = PoolRequest(
             geometry,
@@ -109,6 +111,7 @@ class HiCacheService:
             tp_rank,
             tp_size,
             device_layout,
+            tuple(offload_events),
         )
         return self._requests.run(("register", ""), request_id, fingerprint(repr(req)), lambda: self._register(req))
 
@@ -163,6 +166,8 @@ class HiCacheService:
             identity.secret,
             pool.progress.name if pool.progress is not None else "",
             pool.progress.nbytes if pool.progress is not None else 0,
+            tuple(pool.layer_events.handles) if pool.layer_events is not None else (),
+            pool.layer_events.slots if pool.layer_events is not None else 0,
         )
 
     # ---- the host budget ------------------------------------------------------------------------
@@ -256,11 +261,18 @@ class HiCacheService:
 
     # ---- calls on a pool -------------------------------------------------------------------------
     def offload(
-        self, request_id: str, pool_id: str, keys: Sequence[bytes], device_pages: Sequence[int]
+        self,
+        request_id: str,
+        pool_id: str,
+        keys: Sequence[bytes],
+        device_pages: Sequence[int],
+        ready_event: int = 0,
     ) -> TransferResult:
         pool = self.pool(pool_id)
-        args = fingerprint(list(keys), list(device_pages))
-        return self._requests.run(("offload", pool_id), request_id, args, lambda: pool.offload(keys, device_pages))
+        args = fingerprint(list(keys), list(device_pages), ready_event)
+        return self._requests.run(
+            ("offload", pool_id), request_id, args, lambda: pool.offload(keys, device_pages, ready_event)
+        )
 
     def reload(
         self,

@@ -15,6 +15,7 @@ The segment planning and the memcpy path are plain torch and are tested on CPU.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Literal
 
 from hicache.pools.flat import FlatPool
@@ -23,6 +24,8 @@ from hicache.transfer.plan import TransferPlan
 MEMCPY_MIN_BYTES = 256 << 10  # mean contiguous piece from which memcpy beats the kernels
 Path = Literal["memcpy", "kernel"]
 Segment = tuple[int, int, int]  # (src byte offset, dst byte offset, bytes)
+StreamHook = Callable[[int], None]  # called with the copy stream (a cudaStream_t as int)
+LayerHook = Callable[[int, int], None]  # (the layer's position in the plan, the copy stream)
 
 
 def memcpy_segments(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tuple[int, ...]) -> list[Segment] | None:
@@ -99,25 +102,41 @@ class CudaCopier:
         self.load_stream = torch.cuda.Stream(device=device)
 
     def run(
-        self, src: FlatPool, dst: FlatPool, plan: TransferPlan, *, load: bool, per_layer: bool, sync: bool
+        self,
+        src: FlatPool,
+        dst: FlatPool,
+        plan: TransferPlan,
+        *,
+        load: bool,
+        per_layer: bool,
+        sync: bool,
+        before: StreamHook | None = None,
+        after_layer: LayerHook | None = None,
     ) -> list[Any]:
         """Queue `plan` on the load (or write) stream; return one event per layer group.
 
         per_layer: one group per layer (events for wait_layer), else one group in all.
-        sync: block the host until the copy is done.
+        sync: block the host until the copy is done. before: called with the stream once it
+        is ordered after the caller's (to make it wait for more, e.g. another process's
+        event); after_layer: called after each layer group is queued (per_layer: to record
+        another event there).
         """
         import torch
 
         stream = self.load_stream if load else self.write_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        if before is not None:
+            before(stream.cuda_stream)
         groups = [(layer,) for layer in plan.layers] if per_layer else [plan.layers]
         events = []
         with torch.cuda.stream(stream):
-            for layers in groups:
+            for position, layers in enumerate(groups):
                 self._copy(src, dst, plan, layers)
                 event = torch.cuda.Event()
                 event.record(stream)
                 events.append(event)
+                if after_layer is not None:
+                    after_layer(position, stream.cuda_stream)
         if sync:
             stream.synchronize()
         return events

@@ -16,7 +16,7 @@ from hicache.pools.device import DeviceKVPool
 from hicache.pools.host import HostKVPool
 from hicache.transfer import native
 from hicache.transfer.cpu import INLINE_BYTES, CpuCopier, copy_views, full_views
-from hicache.transfer.cuda import CudaCopier, layer_plan
+from hicache.transfer.cuda import CudaCopier, LayerHook, StreamHook, layer_plan
 from hicache.transfer.handles import CpuTransferHandle, CudaTransferHandle, TransferHandle
 from hicache.transfer.plan import PageList, TransferPlan, as_pages, make_plan
 from hicache.transfer.progress import ProgressWords
@@ -131,11 +131,15 @@ class TransferEngine:
         self._writers.check("device_pages", pages)
 
     # ---- blocking transfers ----------------------------------------------------------------
-    def offload(self, device_pages: PageList, host_pages: PageList) -> int:
-        """Copy every layer of device_pages[i] into host_pages[i]. Returns bytes moved."""
+    def offload(self, device_pages: PageList, host_pages: PageList, *, ready: StreamHook | None = None) -> int:
+        """Copy every layer of device_pages[i] into host_pages[i]. Returns bytes moved.
+
+        ready (CUDA pools): called with the copy stream before the copy is queued, to make it
+        wait for the work that writes the pages (another process's event)."""
+        self._check_cuda_hook("ready", ready)
         plan = self.offload_plan(device_pages, host_pages)
         with self._writers.claim("host_pages", plan.dst_pages):
-            self._run(self.device_pool, self.host_pool, plan, load=False)
+            self._run(self.device_pool, self.host_pool, plan, load=False, before=ready)
         return plan.num_pages * self.geometry.page_bytes
 
     def reload(self, host_pages: PageList, device_pages: PageList, layers: Sequence[int] | None = None) -> int:
@@ -161,18 +165,28 @@ class TransferEngine:
         layers: Sequence[int] | None = None,
         *,
         progress: ProgressWords | None = None,
+        after_layer: LayerHook | None = None,
     ) -> TransferHandle:
         """Start a reload (as reload()), layer by layer in ascending order; returns at once.
 
         handle.wait_layer(i) waits for pool-local layer i only, so a forward pass can use
         layer 0 while later layers still load. `progress`: words (zeroed here) the copy
         publishes each share's layers into (a shared-memory block another process waits on);
-        CPU pools only. Raises ValueError (nothing started) for bad lists or device pages an
-        unfinished transfer is writing.
+        CPU pools only. `after_layer` (CUDA pools): called with (the layer's position, the copy
+        stream) once each layer's copy is queued, to record another event there; all of them
+        are called before this returns. Raises ValueError (nothing started) for bad lists or
+        device pages an unfinished transfer is writing.
         """
+        self._check_cuda_hook("after_layer", after_layer)
         plan = self.reload_plan(host_pages, device_pages, layers)
         nbytes = plan.num_pages * self.geometry.page_bytes_for(len(plan.layers))
-        return self._start(self.host_pool, self.device_pool, plan, nbytes, load=True, progress=progress)
+        return self._start(
+            self.host_pool, self.device_pool, plan, nbytes, load=True, progress=progress, after_layer=after_layer
+        )
+
+    def _check_cuda_hook(self, name: str, hook: object) -> None:
+        if hook is not None and self._cuda is None:
+            raise ValueError(f"{name} is for CUDA pools (stream hooks); this engine copies on {self.backend!r}")
 
     def _start(
         self,
@@ -183,13 +197,14 @@ class TransferEngine:
         *,
         load: bool,
         progress: ProgressWords | None = None,
+        after_layer: LayerHook | None = None,
     ) -> TransferHandle:
         pool = "device_pages" if load else "host_pages"
         pages = frozenset(int(p) for p in plan.dst_pages)
         handle: TransferHandle
         with self._writers.reserve(pool, plan.dst_pages) as register:
             if self._cuda is not None:
-                events = self._cuda.run(src, dst, plan, load=load, per_layer=True, sync=False)
+                events = self._cuda.run(src, dst, plan, load=load, per_layer=True, sync=False, after_layer=after_layer)
                 handle = CudaTransferHandle(plan.layers, nbytes, pool, pages, events)
             else:
                 if progress is None and self.backend == "native":
@@ -234,11 +249,11 @@ class TransferEngine:
         native.layered_call(src, dst, batch, words.addresses[:shares])()
 
     # ---- execution -------------------------------------------------------------------------
-    def _run(self, src: Pool, dst: Pool, plan: TransferPlan, *, load: bool) -> None:
+    def _run(self, src: Pool, dst: Pool, plan: TransferPlan, *, load: bool, before: StreamHook | None = None) -> None:
         if plan.num_pages == 0 or not plan.layers:
             return
         if self._cuda is not None:
-            self._cuda.run(src, dst, plan, load=load, per_layer=False, sync=True)
+            self._cuda.run(src, dst, plan, load=load, per_layer=False, sync=True, before=before)
         else:
             self._copy_layers(src, dst, plan, None)
 

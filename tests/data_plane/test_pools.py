@@ -152,3 +152,24 @@ def test_host_pool_attach():
     assert torch.equal(other.read_page(1), pool.read_page(1))
     with pytest.raises(ValueError, match="holds .* bytes, expected"):
         HostKVPool.attach(MIMO, 3, "page_first", pool.handle)
+
+
+def test_pages_written_from_views_and_pools_over_views_address_their_own_bytes():
+    """A view starts past its storage's first byte: page copies count from the view, not the
+    storage (the GPU check found write_page(p, batch[p]) writing batch[0]'s bytes)."""
+    from hicache.memory import wrap_tensor
+    from hicache.pools.flat import FlatPool
+    from hicache.pools.layouts import make_layout
+
+    g = KVGeometry(layer_num=2, head_num=1, head_dim=8, v_head_dim=4, page_size=2)
+    dev = DeviceKVPool(g, 3)
+    batch = torch.randint(0, 256, (3, g.page_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    for p in range(3):
+        dev.write_page(p, batch[p])
+    assert all(torch.equal(dev.read_page(p), batch[p]) for p in range(3))
+    backing = torch.zeros(100 + g.pool_bytes(3), dtype=torch.uint8)
+    inner = FlatPool(g, make_layout("page_first", g, 3), wrap_tensor(backing[100:]))
+    for p in range(3):
+        inner.write_page(p, batch[p])
+    assert int(backing[:100].count_nonzero()) == 0  # nothing before the view was touched
+    assert all(torch.equal(inner.read_page(p), batch[p]) for p in range(3))

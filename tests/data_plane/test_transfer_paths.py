@@ -102,6 +102,18 @@ def test_memcpy_segments_carry_out_the_plan(layout, dtype):
     assert int(back.k_buffer(0).count_nonzero()) == 0
 
 
+def test_stream_hooks_are_refused_on_cpu_pools_before_anything_is_copied():
+    g = mimo(page_size=8)
+    dev, host = DeviceKVPool(g, 4), HostKVPool(g, 4)
+    fill_random(dev, seed=3)
+    with TransferEngine(dev, host) as engine:
+        with pytest.raises(ValueError, match="ready is for CUDA pools"):
+            engine.offload([0], [1], ready=lambda stream: None)
+        with pytest.raises(ValueError, match="after_layer is for CUDA pools"):
+            engine.reload_async([0], [1], after_layer=lambda position, stream: None)
+        assert int(host.flat.count_nonzero()) == 0
+
+
 def test_memcpy_path_needs_contiguous_chunks_and_large_pieces():
     g = mimo(page_size=64)
     dev = DeviceKVPool(g, 4)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -71,6 +72,29 @@ def test_layer_waits_read_the_progress_block_not_watch(served: tuple[HiCacheServ
         for got, page in zip(pages_of(dev, [4, 5, 6, 7]), want, strict=True):
             assert torch.equal(got, page), round_
     assert watch.calls == 0, "a layer wait went through Watch"
+    assert not h.gpu_waits  # CPU pools wait in the progress block, not on CUDA events
+    client.close()
+
+
+def test_cpu_pools_offer_no_cuda_events_and_refuse_a_ready_event(served: tuple[HiCacheServer, str]) -> None:
+    _, address = served
+    client = HiCacheClient(address, timeout=30)
+    dev = filled_device(8, seed=4)
+    pool = client.register(dev)
+    secret = [("x-hicache-pool-secret", pool.secret)]
+    keys = keys_for(2, seed=5)
+    req = pb.OffloadRequest(request_id="ready-1", pool_id=pool.pool_id, keys=keys, device_pages=[0, 1], ready_event=3)
+    with pytest.raises(grpc.RpcError) as err:
+        client._stub.Offload(req, metadata=secret)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ready_event must be 0 or 1..0" in (err.value.details() or "")
+    assert client.lookup(keys).prefix_length == 0  # nothing was stored
+    client.offload(keys, [0, 1])
+    r = client._stub.Reload(
+        pb.ReloadRequest(request_id="lw-1", pool_id=pool.pool_id, keys=keys, device_pages=[2, 3], layerwise=True),
+        metadata=secret,
+    )
+    assert r.event_layers == 0 and r.progress_words > 0
     client.close()
 
 

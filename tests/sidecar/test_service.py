@@ -146,10 +146,11 @@ def _bad_calls(keys):
         ("evict", (["e", [], 0],), "either keys or num_pages"),
         ("evict", (["e", keys[:1], 3],), "either keys or num_pages"),
         ("pin", (["p", [b"x" * 16]],), "keys[0] must be a 32-byte"),
+        ("offload", (["o", keys[:2], [0, 1], 1],), "ready_event must be 0 or 1..0"),  # no events registered
     ]
 
 
-@pytest.mark.parametrize("case", range(10))
+@pytest.mark.parametrize("case", range(11))
 def test_bad_input_names_value_and_changes_nothing(case):
     svc = make_service(max_batch=4)
     dev = filled_device(8)
@@ -210,6 +211,13 @@ def test_register_validates_memory_and_hash():
         svc.register("c", geometry=g, device_pages=4, device_memory=dev.handle, key_hash="md5")
     with pytest.raises(ValueError, match="'local'"):
         svc.register("d", geometry=g, device_pages=4, device_memory=MemoryHandle("local", dev.nbytes))
+    with pytest.raises(ValueError, match="offload_event_handles are CUDA events, for CUDA pools.*'shm'"):
+        svc.register("e", geometry=g, device_pages=4, device_memory=dev.handle, offload_events=[bytes(64)])
+    cuda = MemoryHandle("cuda_ipc", dev.nbytes, ipc_handle=bytes(64))  # checked before anything is mapped
+    with pytest.raises(ValueError, match=r"offload_event_handles\[1\] must be a 64-byte CUDA IPC event handle, got 63"):
+        svc.register("f", geometry=g, device_pages=4, device_memory=cuda, offload_events=[bytes(64), bytes(63)])
+    with pytest.raises(ValueError, match="offload_event_handles: at most 256 event handles, got 257"):
+        svc.register("g", geometry=g, device_pages=4, device_memory=cuda, offload_events=[bytes(64)] * 257)
     assert svc.pool_ids == []
     svc.close()
     dev.close()

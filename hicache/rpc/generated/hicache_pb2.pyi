@@ -97,7 +97,7 @@ class MemoryHandle(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., cuda_device: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("request_id", "group", "geometry", "device_pages", "device_memory", "namespace", "model_id", "key_hash", "tp_rank", "tp_size", "device_layout")
+    __slots__ = ("request_id", "group", "geometry", "device_pages", "device_memory", "namespace", "model_id", "key_hash", "tp_rank", "tp_size", "device_layout", "offload_event_handles")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class RegisterPoolRequest(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     group: str
     geometry: Geometry
@@ -120,10 +121,11 @@ class RegisterPoolRequest(_message.Message):
     tp_rank: int
     tp_size: int
     device_layout: str
-    def __init__(self, request_id: _Optional[str] = ..., group: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., device_memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., key_hash: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., device_layout: _Optional[str] = ...) -> None: ...
+    offload_event_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., group: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., device_memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., key_hash: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., device_layout: _Optional[str] = ..., offload_event_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout", "pool_secret", "progress_shm_name", "progress_nbytes")
+    __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout", "pool_secret", "progress_shm_name", "progress_nbytes", "layer_event_handles", "layer_event_slots")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     HOST_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +138,8 @@ class RegisterPoolResponse(_message.Message):
     POOL_SECRET_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_EVENT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     host_pages: int
     host_shm_name: str
@@ -148,7 +152,9 @@ class RegisterPoolResponse(_message.Message):
     pool_secret: str
     progress_shm_name: str
     progress_nbytes: int
-    def __init__(self, pool_id: _Optional[str] = ..., host_pages: _Optional[int] = ..., host_shm_name: _Optional[str] = ..., host_layout: _Optional[str] = ..., host_nbytes: _Optional[int] = ..., geometry_fingerprint: _Optional[str] = ..., key_hash: _Optional[str] = ..., key_bytes: _Optional[int] = ..., lease_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., pool_secret: _Optional[str] = ..., progress_shm_name: _Optional[str] = ..., progress_nbytes: _Optional[int] = ...) -> None: ...
+    layer_event_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    layer_event_slots: int
+    def __init__(self, pool_id: _Optional[str] = ..., host_pages: _Optional[int] = ..., host_shm_name: _Optional[str] = ..., host_layout: _Optional[str] = ..., host_nbytes: _Optional[int] = ..., geometry_fingerprint: _Optional[str] = ..., key_hash: _Optional[str] = ..., key_bytes: _Optional[int] = ..., lease_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., pool_secret: _Optional[str] = ..., progress_shm_name: _Optional[str] = ..., progress_nbytes: _Optional[int] = ..., layer_event_handles: _Optional[_Iterable[bytes]] = ..., layer_event_slots: _Optional[int] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("request_id", "pool_id")
@@ -175,16 +181,18 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, lease_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class OffloadRequest(_message.Message):
-    __slots__ = ("request_id", "pool_id", "keys", "device_pages")
+    __slots__ = ("request_id", "pool_id", "keys", "device_pages", "ready_event")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     pool_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     device_pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    ready_event: int
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ..., ready_event: _Optional[int] = ...) -> None: ...
 
 class OffloadResponse(_message.Message):
     __slots__ = ("statuses", "bytes_copied")
@@ -209,7 +217,7 @@ class ReloadRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ..., layerwise: _Optional[bool] = ...) -> None: ...
 
 class ReloadResponse(_message.Message):
-    __slots__ = ("statuses", "op_id", "done", "bytes_copied", "progress_slot", "progress_generation", "progress_words")
+    __slots__ = ("statuses", "op_id", "done", "bytes_copied", "progress_slot", "progress_generation", "progress_words", "event_slot", "event_layers")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +225,8 @@ class ReloadResponse(_message.Message):
     PROGRESS_SLOT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_GENERATION_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_WORDS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    EVENT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
     op_id: str
     done: bool
@@ -224,7 +234,9 @@ class ReloadResponse(_message.Message):
     progress_slot: int
     progress_generation: int
     progress_words: int
-    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., op_id: _Optional[str] = ..., done: _Optional[bool] = ..., bytes_copied: _Optional[int] = ..., progress_slot: _Optional[int] = ..., progress_generation: _Optional[int] = ..., progress_words: _Optional[int] = ...) -> None: ...
+    event_slot: int
+    event_layers: int
+    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., op_id: _Optional[str] = ..., done: _Optional[bool] = ..., bytes_copied: _Optional[int] = ..., progress_slot: _Optional[int] = ..., progress_generation: _Optional[int] = ..., progress_words: _Optional[int] = ..., event_slot: _Optional[int] = ..., event_layers: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("request_id", "pool_id", "keys", "policy")
