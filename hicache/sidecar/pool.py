@@ -16,6 +16,7 @@ from hicache.api import EvictResult, KeyStatus, LookupResult, PoolStats, Prefetc
 from hicache.cache.index import HostIndex
 from hicache.cache.prefetch import PrefetchHandle
 from hicache.cache.tiering import HierarchicalCache
+from hicache.memory.cuda_events import OpenedIpcEvents
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.sidecar.checks import check_keys, check_pages
 from hicache.sidecar.errors import StateError
@@ -51,7 +52,7 @@ class RegisteredPool:
         io_backend: Backend = "auto",
         clock: Callable[[], float] = time.monotonic,
         events: PoolEvents | None = None,
-        offload_events: Any = None,
+        offload_events: OpenedIpcEvents | None = None,
     ):
         """`events`: where the pool publishes KV events (registered now, unregistered at close,
         and every change of what its host index and storage tier hold). `offload_events`: the
@@ -145,6 +146,7 @@ class RegisteredPool:
                 f"ready_event must be 0 or 1..{count} (the pool's registered offload events), got {ready_event!r}"
             )
         events, index = self.offload_events, ready_event - 1
+        assert events is not None
         return lambda stream: events.wait(index, stream)
 
     def _offload(self, ks: list[bytes], pages: list[int], ready: StreamHook | None = None) -> TransferResult:
