@@ -38,14 +38,29 @@ def check_event_handles(field: str, handles: Sequence[bytes], limit: int) -> Non
             raise ValueError(f"{field}[{i}] must be a {EVENT_HANDLE_BYTES}-byte CUDA IPC event handle, got {size}")
 
 
-class IpcEvents:
+class _Events:
+    """A list of CUDA events (cudaEvent_t as ints) this process destroys when closed."""
+
+    _events: list[int]
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def close(self) -> None:
+        rt = _cupy().cuda.runtime
+        events, self._events = self._events, []
+        for event in events:
+            rt.eventDestroy(event)
+
+
+class IpcEvents(_Events):
     """`count` interprocess events made by this process on CUDA device `device`."""
 
     def __init__(self, count: int, device: int = 0):
         cp = _cupy()
         rt = cp.cuda.runtime
         self.device = device
-        self._events: list[int] = []
+        self._events = []
         try:
             with cp.cuda.Device(device):
                 for _ in range(count):
@@ -55,28 +70,19 @@ class IpcEvents:
             self.close()
             raise
 
-    def __len__(self) -> int:
-        return len(self._events)
-
     def record(self, index: int, stream: int) -> None:
         """Record event `index` on `stream` (a cudaStream_t as an int)."""
         _cupy().cuda.runtime.eventRecord(self._events[index], stream)
 
-    def close(self) -> None:
-        rt = _cupy().cuda.runtime
-        events, self._events = self._events, []
-        for event in events:
-            rt.eventDestroy(event)
 
-
-class OpenedIpcEvents:
+class OpenedIpcEvents(_Events):
     """Events another process made, opened here from their IPC handles. Raises ValueError
     for a malformed handle (nothing stays open)."""
 
     def __init__(self, handles: Sequence[bytes], device: int = 0, field: str = "event handles"):
         check_event_handles(field, handles, len(handles))
         cp = _cupy()
-        self._events: list[int] = []
+        self._events = []
         try:
             with cp.cuda.Device(device):
                 for handle in handles:
@@ -85,15 +91,6 @@ class OpenedIpcEvents:
             self.close()
             raise
 
-    def __len__(self) -> int:
-        return len(self._events)
-
     def wait(self, index: int, stream: int) -> None:
         """Make `stream` wait (on the GPU) for the newest record of event `index`."""
         _cupy().cuda.runtime.streamWaitEvent(stream, self._events[index], 0)
-
-    def close(self) -> None:
-        rt = _cupy().cuda.runtime
-        events, self._events = self._events, []
-        for event in events:
-            rt.eventDestroy(event)
