@@ -212,7 +212,7 @@ class TransferEngine:
                 if progress is not None:
                     progress.reset()
                 cpu_handle = CpuTransferHandle(plan.layers, nbytes, pool, pages, progress)
-                if self.backend == "native" and nbytes < native.SMALL_BYTES:
+                if self.backend == "native" and nbytes < native.LAYERED_INLINE_BYTES:
                     self._drive(src, dst, plan, cpu_handle)  # small: here, no hand-off to a thread
                 else:
                     self._driver_pool().submit(self._drive, src, dst, plan, cpu_handle)
@@ -243,7 +243,7 @@ class TransferEngine:
         """Every layer in one C call, its shares on threads of the C code's own (no Python
         thread hand-offs), each publishing its layers into its word."""
         batch = native.layered(src, dst, plan, plan.layers)
-        shares = max(1, min(len(words), self.shares)) if batch.nbytes >= native.SMALL_BYTES else 1
+        shares = max(1, min(len(words), self.shares)) if batch.nbytes >= native.LAYERED_INLINE_BYTES else 1
         for spare in range(shares, len(words)):  # words no share writes: done from the start
             words.publish(spare, len(plan.layers))
         native.layered_call(src, dst, batch, words.addresses[:shares])()

@@ -8,7 +8,8 @@ the GIL released, cut into shares that run on threads of its own (batch_call), s
 Python cost is per transfer, not per page, and no Python thread hands work to another. A
 layer-wise transfer is one such call too (layered, layered_call): each share publishes
 the layers it has done into a progress word. Transfers below SMALL_BYTES are copied by the
-calling thread, unsorted; those of STREAM_MIN_BYTES or more use non-temporal stores.
+calling thread, unsorted, their descriptors made from a cached page template; those of
+STREAM_MIN_BYTES or more use non-temporal stores.
 
 Without the compiled extension (no C compiler at install time) available() is False and
 the engine uses torch copies instead.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cached_property, lru_cache, partial
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from hicache.transfer.plan import TransferPlan
 
 if TYPE_CHECKING:
     from hicache.pools.flat import FlatPool
+    from hicache.pools.layouts import Layout
 
 _native: ModuleType | None
 try:
@@ -36,7 +38,11 @@ except ImportError:  # built by setup.py where a C compiler exists
     _native = None
 
 MERGE_CAP = 1 << 20  # merged copies end once past this (so at most MERGE_CAP + one chunk): even shares
-SMALL_BYTES = 4 << 20  # a transfer below this is copied by the calling thread, chunk by chunk, unsorted
+# A plain transfer below SMALL_BYTES is copied by the calling thread, chunk by chunk, unsorted:
+# sorting, merging and starting threads cost more than a second thread saves below about
+# 8-16 MB (2-core VM, benchmarks/transfer.py: 4 pages 370 -> 200 us, 6 pages 540 -> 410 us).
+SMALL_BYTES = 8 << 20
+LAYERED_INLINE_BYTES = 4 << 20  # a layer-wise transfer below this runs in the caller, one share
 STREAM_MIN_BYTES = 16 << 20  # about half the L3 of a server core complex; below it stay cached
 
 DST, SRC, ROWS, ROW_BYTES, DST_STRIDE, SRC_STRIDE = range(6)
@@ -61,9 +67,14 @@ class CopyBatch:
 
 def chunk_parts(src: FlatPool, dst: FlatPool, plan: TransferPlan, layer_arr: np.ndarray) -> list[np.ndarray]:
     """Per buffer, one descriptor per (page, layer) chunk, page-major: (pages x layers, 6)."""
-    page_size = src.geometry.page_size
+    return _chunk_parts(src.layout, dst.layout, src.geometry.page_size, plan, layer_arr)
+
+
+def _chunk_parts(
+    src: Layout, dst: Layout, page_size: int, plan: TransferPlan, layer_arr: np.ndarray
+) -> list[np.ndarray]:
     parts = []
-    for s, d in zip(src.layout.strides, dst.layout.strides, strict=True):
+    for s, d in zip(src.strides, dst.strides, strict=True):
         src_off = s.base + plan.src_pages[:, None] * s.page_stride + layer_arr[None, :] * s.layer_stride
         dst_off = d.base + plan.dst_pages[:, None] * d.page_stride + layer_arr[None, :] * d.layer_stride
         if s.chunk_contiguous and d.chunk_contiguous:  # the chunk is one block on both sides
@@ -78,6 +89,45 @@ def chunk_parts(src: FlatPool, dst: FlatPool, plan: TransferPlan, layer_arr: np.
     return parts
 
 
+@dataclass(frozen=True)
+class PageTemplate:
+    """The descriptors of copying page 0 to page 0 for a set of layers (every buffer's
+    chunks, layer-major per buffer), and per descriptor the page stride of each side: page
+    s -> page d is descs + (d * dst_stride, s * src_stride) in the DST and SRC columns."""
+
+    descs: np.ndarray
+    src_stride: np.ndarray
+    dst_stride: np.ndarray
+
+
+@lru_cache(maxsize=64)
+def page_template(src: Layout, dst: Layout, page_size: int, layers: tuple[int, ...]) -> PageTemplate:
+    """The template of a (src layout, dst layout, layers), made once: a small transfer's
+    descriptors are then three numpy operations, not a dozen per buffer."""
+    zero = np.zeros(1, dtype=np.int64)
+    plan = TransferPlan(zero, zero, layers, ())
+    parts = _chunk_parts(src, dst, page_size, plan, np.asarray(layers, dtype=np.int64))
+    count = len(layers)
+    src_stride = np.repeat([s.page_stride for s in src.strides], count).astype(np.int64)
+    dst_stride = np.repeat([d.page_stride for d in dst.strides], count).astype(np.int64)
+    return PageTemplate(np.concatenate(parts), src_stride, dst_stride)
+
+
+def small_descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int]) -> np.ndarray:
+    """The descriptors of a small transfer, page by page (unsorted), from the cached template."""
+    t = page_template(src.layout, dst.layout, src.geometry.page_size, tuple(layers))
+    n = plan.num_pages
+    if n == 1:
+        descs = t.descs.copy()
+        descs[:, SRC] += int(plan.src_pages[0]) * t.src_stride
+        descs[:, DST] += int(plan.dst_pages[0]) * t.dst_stride
+        return descs
+    descs = np.tile(t.descs, (n, 1))
+    descs[:, SRC] += (np.asarray(plan.src_pages, dtype=np.int64)[:, None] * t.src_stride).ravel()
+    descs[:, DST] += (np.asarray(plan.dst_pages, dtype=np.int64)[:, None] * t.dst_stride).ravel()
+    return descs
+
+
 def descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int]) -> CopyBatch:
     """The copy descriptors for `layers` of `plan`.
 
@@ -86,13 +136,14 @@ def descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequen
     page, so the copy reads each source page in address order. Otherwise they are sorted by
     destination offset, and where both sides' chunks are contiguous adjacent ones merge.
     """
-    layer_arr = np.asarray(layers, dtype=np.int64)
-    if plan.num_pages == 0 or layer_arr.size == 0:
+    if plan.num_pages == 0 or len(layers) == 0:
         return CopyBatch(np.zeros((0, 6), dtype=np.int64))
+    if plan.num_pages * src.geometry.page_bytes_for(len(layers)) < SMALL_BYTES:
+        # a few chunks: sorting and merging cost more than they save
+        return CopyBatch(small_descriptors(src, dst, plan, layers))
+    layer_arr = np.asarray(layers, dtype=np.int64)
     parts = chunk_parts(src, dst, plan, layer_arr)
     descs = np.concatenate(parts)
-    if plan.num_pages * src.geometry.page_bytes_for(layer_arr.size) < SMALL_BYTES:
-        return CopyBatch(descs)  # a few chunks: sorting and merging cost more than they save
     if not all(s.chunk_contiguous for s in src.layout.strides):
         # Walk the source's pages in address order, row by row across their chunks: strided
         # reads are what the prefetcher punishes (measured: 0.45 -> 1.1 of copy_ on reload).
@@ -175,6 +226,12 @@ def layered(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[i
     layer_arr = np.asarray(layers, dtype=np.int64)
     if plan.num_pages == 0 or layer_arr.size == 0:
         return LayeredBatch(np.zeros((0, 6), dtype=np.int64), np.zeros(layer_arr.size, dtype=np.int64))
+    count = layer_arr.size
+    if plan.num_pages * src.geometry.page_bytes_for(count) < LAYERED_INLINE_BYTES:
+        # small: the template's rows (page, buffer, layer) put in layer order, unsorted within
+        descs = small_descriptors(src, dst, plan, layers)
+        order = np.argsort(np.arange(len(descs)) % count, kind="stable")
+        return LayeredBatch(descs[order], np.arange(1, count + 1, dtype=np.int64) * (len(descs) // count))
     parts = chunk_parts(src, dst, plan, layer_arr)
     pos = np.broadcast_to(np.arange(layer_arr.size, dtype=np.int64), (plan.num_pages, layer_arr.size)).ravel()
     descs, where = np.concatenate(parts), np.concatenate([pos] * len(parts))  # each chunk's layer position

@@ -14,6 +14,7 @@ from hicache import DeviceKVPool, HostKVPool, KVGeometry, TransferEngine
 from hicache.pools import LAYOUTS
 from hicache.transfer import engine as engine_module
 from hicache.transfer import native
+from hicache.transfer.plan import make_plan
 
 needs_native = pytest.mark.skipif(not native.available(), reason="C extension not built")
 
@@ -247,3 +248,21 @@ def test_auto_backend_and_unavailable_native(monkeypatch, caplog):
     assert "CPU copies use the slower torch path" in caplog.text
     with pytest.raises(ValueError, match="backend 'native' is not available .*_native is not built"):
         TransferEngine(dev, host, "native")
+
+
+@pytest.mark.parametrize("src_layout", LAYOUTS)
+@pytest.mark.parametrize("dst_layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp4_e2m1"])
+def test_a_small_transfers_template_descriptors_are_the_chunks_of_its_pages(src_layout, dst_layout, dtype):
+    """The cached page template, moved to each page, gives the same chunks (as a set) as
+    computing every chunk from the strides, for any pages and any subset of layers."""
+    g = KVGeometry(layer_num=4, head_num=2, head_dim=32, v_head_dim=16, page_size=4, dtype=dtype)
+    src, dst = HostKVPool(g, 10, src_layout), HostKVPool(g, 10, dst_layout)
+    rng = np.random.default_rng(len(src_layout) * 7 + len(dst_layout))
+    for pages in (1, 3, 6):
+        for layers in ((0, 1, 2, 3), (1, 3), (2,)):
+            s_pages, d_pages = rng.permutation(10)[:pages], rng.permutation(10)[:pages]
+            plan = make_plan(s_pages, 10, d_pages, 10, g.layer_num, layers, ("src", "dst"))
+            small = native.small_descriptors(src, dst, plan, layers)
+            full = np.concatenate(native.chunk_parts(src, dst, plan, np.asarray(layers, dtype=np.int64)))
+            assert sorted(map(tuple, small.tolist())) == sorted(map(tuple, full.tolist()))

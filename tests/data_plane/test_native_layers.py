@@ -116,3 +116,20 @@ def test_a_waiter_waits_without_the_gil_and_sees_the_published_value() -> None:
     waiter.join(30)
     assert seen == [3], "the waiter held the GIL (or missed the wake-up) and timed out"
     assert native.wait_progress(words.addresses[0], 9, 0.01) == 3  # a timeout answers what it read
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_small_layered_batch_holds_each_layers_chunks_in_that_layers_slice(layout: str) -> None:
+    g = mimo(4)
+    dev, host = DeviceKVPool(g, 6), HostKVPool(g, 5, layout)
+    plan = TransferEngine(dev, host, "torch").reload_plan([0, 3, 2], [5, 0, 1])
+    batch = native.layered(host, dev, plan, plan.layers)
+    assert batch.nbytes < native.LAYERED_INLINE_BYTES
+    count = len(plan.layers)
+    parts = native.chunk_parts(host, dev, plan, np.asarray(plan.layers, dtype=np.int64))
+    start = 0
+    for i, end in enumerate(int(e) for e in batch.ends):
+        want = sorted(tuple(row) for part in parts for j, row in enumerate(part.tolist()) if j % count == i)
+        assert sorted(map(tuple, batch.descs[start:end].tolist())) == want, i
+        start = end
+    assert start == len(batch.descs)
