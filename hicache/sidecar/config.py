@@ -34,6 +34,9 @@ class ServiceConfig:
     request_cache_size: int = 4096
     finished_ops_kept: int = 256
     io_backend: str = "auto"  # SGLang's --hicache-io-backend: direct (torch copies), kernel (Triton), auto
+    # a layer-wise reload of fewer bytes is copied before the answer (done), on CPU pools:
+    # cheaper than its worker thread and the engine's layer waits (0: always layer by layer)
+    layerwise_inline_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if self.io_backend not in IO_BACKENDS:
@@ -45,6 +48,8 @@ class ServiceConfig:
         for name in ("max_batch", "max_pools", "request_cache_size", "finished_ops_kept"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.layerwise_inline_bytes < 0:
+            raise ValueError(f"layerwise_inline_bytes must be >= 0, got {self.layerwise_inline_bytes}")
 
     def host_pages_for(self, geometry: KVGeometry, device_pages: int) -> int:
         """Host pool pages for a pool of device_pages pages of `geometry` (at least 1)."""

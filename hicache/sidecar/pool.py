@@ -53,11 +53,13 @@ class RegisteredPool:
         clock: Callable[[], float] = time.monotonic,
         events: PoolEvents | None = None,
         offload_events: OpenedIpcEvents | None = None,
+        layerwise_inline_bytes: int = 0,
     ):
         """`events`: where the pool publishes KV events (registered now, unregistered at close,
         and every change of what its host index and storage tier hold). `offload_events`: the
         engine's interprocess CUDA events, opened (an OpenedIpcEvents, closed with the pool),
-        that offloads wait for on the GPU."""
+        that offloads wait for on the GPU. `layerwise_inline_bytes`: a layer-wise reload of
+        fewer bytes is copied before the answer (CPU pools)."""
         assert isinstance(cache.pool, HostKVPool)
         self.identity = identity
         self.device = device
@@ -81,6 +83,7 @@ class RegisteredPool:
         on_cuda = bool(device.flat.is_cuda)
         self.layer_events = LayerEvents(self.geometry.layer_num, device.flat.device.index or 0) if on_cuda else None
         self.offload_events = offload_events
+        self.layerwise_inline_bytes = layerwise_inline_bytes
         self.events = events
         if events is not None:
             cache.index.observer = events.host
@@ -201,6 +204,10 @@ class RegisteredPool:
         )
         args = (op, loaded.keys, loaded.pages, pages[:n])
         nbytes = n * self.geometry.page_bytes
+        if layerwise and self.progress is not None and nbytes < self.layerwise_inline_bytes:
+            # as small as the engine copies in its calling thread: copied before the answer
+            # (done), cheaper than a worker thread and the engine's layer waits
+            layerwise = False
         if layerwise and self.progress is not None:
             return self._reload_layerwise(op, statuses, nbytes, args)
         if layerwise and self.layer_events is not None and n:

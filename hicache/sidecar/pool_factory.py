@@ -63,6 +63,7 @@ def build_pool(
                 bus, EventPool(identity.pool_id, req.namespace, req.model_id, req.group, req.tp_rank, req.tp_size)
             ),
             offload_events=offload_events,
+            layerwise_inline_bytes=config.layerwise_inline_bytes,
         )
         undo.pop_all()
         return pool

@@ -33,7 +33,11 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="progress blocks 
 def served() -> Iterator[tuple[HiCacheServer, str]]:
     d = tempfile.mkdtemp(prefix="hc")
     srv, address = create_server(
-        ServerConfig(socket=os.path.join(d, "hc.sock"), service=ServiceConfig(expected=mimo_geometries()))
+        ServerConfig(
+            socket=os.path.join(d, "hc.sock"),
+            # every layer-wise reload goes layer by layer, however small (the path under test)
+            service=ServiceConfig(expected=mimo_geometries(), layerwise_inline_bytes=0),
+        )
     )
     yield srv, address
     srv.stop(0)

@@ -66,12 +66,14 @@ def test_reload_serves_the_prefix_and_leaves_other_pages_untouched(setup):
     svc.check_integrity()
 
 
-def test_layerwise_reload_publishes_every_layer(setup):
-    svc, dev, info = setup
+def test_layerwise_reload_publishes_every_layer():
+    svc = make_service(layerwise_inline_bytes=0)  # every layer-wise reload goes layer by layer
+    dev = filled_device(8)
+    info = register(svc, dev)
     keys = keys_for(2)
     svc.offload("o", info.pool_id, keys, [0, 1])
     r = svc.reload("r", info.pool_id, keys, [4, 5], layerwise=True)
-    assert not r.done and r.op_id
+    assert not r.done and r.op_id and r.progress_words > 0
     events = list(svc.watch(info.pool_id, r.op_id))
     layers = dev.geometry.layer_num
     assert [e.kind for e in events] == ["layer_done"] * layers + ["done"]
@@ -83,6 +85,22 @@ def test_layerwise_reload_publishes_every_layer(setup):
     with pytest.raises(KeyError, match="op-nope"):
         svc.watch(info.pool_id, "op-nope")
     svc.check_integrity()
+
+
+def test_a_small_layerwise_reload_is_copied_before_the_answer(setup):
+    svc, dev, info = setup
+    keys = keys_for(2)
+    svc.offload("o", info.pool_id, keys, [0, 1])
+    nbytes = 2 * dev.geometry.page_bytes
+    assert nbytes < ServiceConfig().layerwise_inline_bytes
+    r = svc.reload("r", info.pool_id, keys, [4, 5], layerwise=True)
+    assert r.done and r.bytes_copied == nbytes and r.progress_words == 0  # nothing left to wait for
+    assert torch.equal(dev.read_page(0), dev.read_page(4)) and torch.equal(dev.read_page(1), dev.read_page(5))
+    events = list(svc.watch(info.pool_id, r.op_id))  # Watch still tells the whole story
+    assert [e.kind for e in events] == ["layer_done"] * dev.geometry.layer_num + ["done"]
+    assert all(svc.pool(info.pool_id).index.refs(k) == 0 for k in keys)
+    with pytest.raises(ValueError, match="layerwise_inline_bytes must be >= 0, got -1"):
+        ServiceConfig(layerwise_inline_bytes=-1)
 
 
 def test_no_space_is_per_key_and_resident_keys_survive():
