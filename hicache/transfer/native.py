@@ -40,7 +40,7 @@ except ImportError:  # built by setup.py where a C compiler exists
 MERGE_CAP = 1 << 20  # merged copies end once past this (so at most MERGE_CAP + one chunk): even shares
 # A plain transfer below SMALL_BYTES is copied by the calling thread, chunk by chunk, unsorted:
 # sorting, merging and starting threads cost more than a second thread saves below about
-# 8-16 MB (2-core VM, benchmarks/transfer.py: 4 pages 370 -> 200 us, 6 pages 540 -> 410 us).
+# 8-16 MB (2-core VM, offload in process: 4 pages 370 -> 200 us, 6 pages 540 -> 410 us).
 SMALL_BYTES = 8 << 20
 LAYERED_INLINE_BYTES = 4 << 20  # a layer-wise transfer below this runs in the caller, one share
 STREAM_MIN_BYTES = 16 << 20  # about half the L3 of a server core complex; below it stay cached
@@ -91,8 +91,8 @@ def _chunk_parts(
 
 @dataclass(frozen=True)
 class PageTemplate:
-    """The descriptors of copying page 0 to page 0 for a set of layers (every buffer's
-    chunks, layer-major per buffer), and per descriptor the page stride of each side: page
+    """The descriptors of copying page 0 to page 0 for a set of layers (buffer by buffer,
+    layer by layer), and per descriptor the page stride of each side: page
     s -> page d is descs + (d * dst_stride, s * src_stride) in the DST and SRC columns."""
 
     descs: np.ndarray
