@@ -217,12 +217,12 @@ class HiCacheClient:
         )
         try:
             r = self._call(self._stub.RegisterPool, request, wait=True)
-            if events is not None:
-                events.open_layer_events(r.layer_event_handles, r.layer_event_slots)
         except BaseException:
             if events is not None:
                 events.close()
             raise
+        if events is not None:
+            events.open_layer_events(r.layer_event_handles, r.layer_event_slots)  # Watch if it cannot
         g = geometry
         info = RegisteredPool(
             r.pool_id,
@@ -281,7 +281,8 @@ class HiCacheClient:
 
         A CUDA pool's pages are copied once the work queued on the caller's current stream
         before this call is done (an event the sidecar's copy waits for on the GPU): no
-        synchronize is needed first."""
+        synchronize is needed first. Record a pool's offloads on one stream (the events are a
+        ring of 32; see hicache.client.cuda_events)."""
         pool_id = self._pool(pool).pool_id
         events = self._cuda_events.get(pool_id)
         req = pb.OffloadRequest(
@@ -300,7 +301,9 @@ class HiCacheClient:
         """Copy keys[i] from the host into device_pages[i]; absent keys are NOT_FOUND and their
         device pages untouched. Not layer-wise, the copy is done when this returns. Layer-wise
         on a CUDA pool, the handle's wait_layer(i) orders the caller's current stream after
-        layer i's copy (on the GPU) and returns at once; wait() waits on the host."""
+        layer i's copy (on the GPU) and returns at once; wait() waits on the host. A copy the
+        sidecar starts (CUDA) or makes (CPU, under 4 MB) before answering reports its failure
+        as this call's error; later failures come from the handle's waits."""
         info = self._pool(pool)
         req = pb.ReloadRequest(
             request_id=self._rid(),

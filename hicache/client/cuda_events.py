@@ -10,12 +10,15 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
 from hicache.memory.cuda_events import IpcEvents, OpenedIpcEvents
 
 OFFLOAD_EVENTS = 32  # in the ring; an event is named again only after 31 later offloads
+
+log = logging.getLogger("hicache.client")
 
 
 def _current_stream(device: int) -> int:
@@ -40,13 +43,25 @@ class PoolCudaEvents:
         return cls(device, IpcEvents(OFFLOAD_EVENTS, device))
 
     def open_layer_events(self, handles: Sequence[bytes], slots: int) -> None:
-        """Open the sidecar's layer events (slots x layer_num handles, slot-major)."""
-        if handles and slots and len(handles) % slots == 0:
+        """Open the sidecar's layer events (slots x layer_num handles, slot-major). Events
+        that cannot be opened (or a malformed answer) are logged and left out: the pool's
+        layer-wise reloads are then followed through Watch."""
+        if not handles and not slots:
+            return
+        if not slots or len(handles) % slots:
+            log.warning("layer events not used: %d handles for %d slots", len(handles), slots)
+            return
+        try:
             self.layers = OpenedIpcEvents(handles, self.device, "layer_event_handles")
-            self.layer_num = len(handles) // slots
+        except Exception as exc:
+            log.warning("layer events not opened (%s): layer-wise reloads follow Watch", exc)
+            return
+        self.layer_num = len(handles) // slots
 
     def record_ready(self) -> int:
-        """Record the next offload event on the current stream; its 1-based ready_event number."""
+        """Record the next offload event on the current stream; its 1-based ready_event number.
+        A pool's offloads must be recorded on one stream (or fewer than OFFLOAD_EVENTS be in
+        flight at once): a re-record on another stream could let a late wait pass early."""
         with self._lock:
             index = next(self._next) % len(self.offload)
             self.offload.record(index, _current_stream(self.device))

@@ -9,8 +9,10 @@ so that neither side synchronizes the host to hand work over:
   sidecar's copy stream waits for it before reading them.
 
 A wait captures the event's newest record at the time of the call. Both protocols send the
-message that names an event after recording it, and a re-record is always later work on
-the same stream, so a late re-record can only make a wait longer, never let it pass early.
+message that names an event after recording it, and a re-record is later work on the same
+stream (the sidecar's one load stream; for offloads, the engine must record a pool's events
+on one stream, or keep fewer offloads in flight than its ring holds), so a late re-record
+can only make a wait longer, never let it pass early.
 Importable without CUDA: cupy is imported when events are made or opened.
 """
 
@@ -47,10 +49,17 @@ class _Events:
         return len(self._events)
 
     def close(self) -> None:
+        """Destroy every event (each tried, the first failure raised after). Idempotent."""
         rt = _cupy().cuda.runtime
         events, self._events = self._events, []
+        failure: BaseException | None = None
         for event in events:
-            rt.eventDestroy(event)
+            try:
+                rt.eventDestroy(event)
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
 
 class IpcEvents(_Events):

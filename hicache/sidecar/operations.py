@@ -109,7 +109,8 @@ def prune_finished(table: OrderedDict[str, T], finished: Callable[[T], bool], ke
 
 
 class OperationTable:
-    """Operations by id; keeps every unfinished one and the newest `keep_finished` finished."""
+    """Operations by id; keeps every unfinished one and at least the newest `keep_finished`
+    finished (pruned to that once the table holds twice as many)."""
 
     def __init__(self, keep_finished: int):
         self.keep_finished = keep_finished
@@ -130,8 +131,8 @@ class OperationTable:
 
 
 class PrefetchTable:
-    """Prefetch handles by op id ("pf-<id>"); keeps every unfinished one and the newest
-    `keep_finished` finished. Not locked: the pool's lock guards it."""
+    """Prefetch handles by op id ("pf-<id>"); keeps every unfinished one and at least the
+    newest `keep_finished` finished (as OperationTable). Not locked: the pool's lock guards it."""
 
     def __init__(self, keep_finished: int):
         self.keep_finished = keep_finished

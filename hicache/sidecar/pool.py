@@ -279,6 +279,9 @@ class RegisteredPool:
         try:
             worker.start()
         except BaseException as exc:
+            if started is not None:  # the copy is queued: its host pages stay held until it ends
+                with contextlib.suppress(Exception):
+                    started.wait()
             self.cache.release(args[1])
             self._done_one()
             if release is not None:

@@ -390,3 +390,22 @@ def test_a_host_pool_cannot_be_registered_as_device_memory(setup):
         svc.register("r2", geometry=dev.geometry, device_pages=16, device_memory=host)
     assert svc.pool_ids == [info.pool_id]
     svc.check_integrity()
+
+
+def test_the_operation_table_stays_bounded_and_keeps_the_unfinished_and_the_newest_finished():
+    from hicache.sidecar.errors import UnknownId
+    from hicache.sidecar.operations import Operation, OperationTable
+
+    table = OperationTable(keep_finished=8)
+    running = Operation("op-running", 2)
+    table.add(running)
+    for i in range(1000):
+        op = Operation(f"op-{i}", 2)
+        op.done()
+        table.add(op)
+        assert len(table._ops) <= 2 * 8 + 1  # the running one, and at most twice the kept finished
+    assert table.get("op-running") is running and table.in_flight() == [running]
+    for i in range(992, 1000):  # the newest eight finished are always there
+        assert table.get(f"op-{i}").finished
+    with pytest.raises(UnknownId, match="op-0"):
+        table.get("op-0")

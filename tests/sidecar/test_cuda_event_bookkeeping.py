@@ -1,0 +1,144 @@
+"""The bookkeeping of the interprocess CUDA events, up to the CUDA runtime calls it makes.
+
+No GPU here: cupy's runtime is replaced by a recorder of the calls (made, recorded, waited
+on, destroyed), so that these tests check which event each slot, layer and ready_event
+names. That the events order real copies is checked on a GPU by scripts/gpu_ipc_check.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from sidecar_util import filled_device
+from tier_helpers import GEOMETRIES, MemoryTier, identity
+
+from hicache.cache.tiering import HierarchicalCache
+from hicache.client import cuda_events as client_events
+from hicache.memory import cuda_events
+from hicache.memory.cuda_events import EVENT_HANDLE_BYTES, OpenedIpcEvents
+from hicache.pools import HostKVPool
+from hicache.sidecar.layer_events import LayerEvents
+from hicache.sidecar.pool import RegisteredPool
+from hicache.sidecar.registration import PoolIdentity
+
+OPENED = 1000  # an opened event's number: the exporter's + OPENED
+
+
+class Runtime:
+    """Stands in for cupy.cuda.runtime: events are numbers, handles encode them."""
+
+    eventDisableTiming, eventInterprocess = 2, 4
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.made = 0
+        self.fail_destroy: set[int] = set()
+
+    def eventCreateWithFlags(self, flags: int) -> int:
+        assert flags == self.eventDisableTiming | self.eventInterprocess
+        self.made += 1
+        return self.made
+
+    def ipcGetEventHandle(self, event: int) -> bytes:
+        return event.to_bytes(EVENT_HANDLE_BYTES, "little")
+
+    def ipcOpenEventHandle(self, handle: bytes) -> int:
+        return int.from_bytes(handle, "little") + OPENED
+
+    def eventRecord(self, event: int, stream: int) -> None:
+        self.calls.append(("record", event, stream))
+
+    def streamWaitEvent(self, stream: int, event: int, flags: int) -> None:
+        self.calls.append(("wait", stream, event))
+
+    def eventDestroy(self, event: int) -> None:
+        self.calls.append(("destroy", event))
+        if event in self.fail_destroy:
+            raise RuntimeError(f"destroy {event} failed")
+
+
+@pytest.fixture
+def rt(monkeypatch: pytest.MonkeyPatch) -> Runtime:
+    runtime = Runtime()
+    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime, Device=lambda index: contextlib.nullcontext()))
+    monkeypatch.setattr(cuda_events, "_cupy", lambda: fake)
+    monkeypatch.setattr(client_events, "_current_stream", lambda device: 55)
+    return runtime
+
+
+def test_a_reloads_slot_records_its_own_events_layer_by_layer_and_comes_back(rt: Runtime) -> None:
+    events = LayerEvents(layer_num=3, device=0, slots=4)
+    assert len(events.handles) == 12 and rt.made == 12
+    assert [events.acquire() for _ in range(5)] == [0, 1, 2, 3, None]  # the fifth follows Watch
+    record = events.recorder(2)
+    for position in range(3):
+        record(position, 77)
+    assert rt.calls == [("record", 7, 77), ("record", 8, 77), ("record", 9, 77)]  # slot 2: events 7..9
+    events.release(2)
+    assert events.acquire() == 2
+    events.close()
+    assert sorted(c[1] for c in rt.calls if c[0] == "destroy") == list(range(1, 13))
+
+
+def test_the_client_waits_on_the_slots_layer_and_names_ready_events_in_a_ring(rt: Runtime) -> None:
+    sidecar = LayerEvents(layer_num=3, device=0, slots=4)
+    ours = client_events.PoolCudaEvents.create(0)
+    ours.open_layer_events(sidecar.handles, sidecar.slots)
+    wait = ours.layer_waiter(2, 3)
+    assert wait is not None
+    wait(1)
+    assert rt.calls[-1] == ("wait", 55, 8 + OPENED)  # slot 2, layer 1: the sidecar's event 8
+    assert ours.layer_waiter(4, 3) is None and ours.layer_waiter(0, 2) is None  # no such slot; other layers
+    numbers = [ours.record_ready() for _ in range(client_events.OFFLOAD_EVENTS + 1)]
+    assert numbers == [*range(1, client_events.OFFLOAD_EVENTS + 1), 1]  # 1-based, around the ring
+    first_offload_event = 12 + 1  # made after the sidecar's twelve
+    assert rt.calls[-1] == ("record", first_offload_event, 55)
+    ours.close()
+    sidecar.close()
+
+
+def test_malformed_layer_events_leave_the_reloads_to_watch(rt: Runtime, caplog: pytest.LogCaptureFixture) -> None:
+    ours = client_events.PoolCudaEvents.create(0)
+    with caplog.at_level(logging.WARNING, "hicache.client"):
+        ours.open_layer_events([bytes(EVENT_HANDLE_BYTES)] * 5, 4)
+        ours.open_layer_events([bytes(EVENT_HANDLE_BYTES - 1)] * 4, 4)
+    assert ours.layers is None and ours.layer_waiter(0, 1) is None
+    assert "5 handles for 4 slots" in caplog.text and "layer_event_handles[0] must be a 64-byte" in caplog.text
+
+
+def test_closing_destroys_every_event_even_after_one_fails(rt: Runtime) -> None:
+    events = OpenedIpcEvents([n.to_bytes(EVENT_HANDLE_BYTES, "little") for n in (1, 2, 3)])
+    rt.fail_destroy = {1 + OPENED}
+    with pytest.raises(RuntimeError, match="destroy 1001 failed"):
+        events.close()
+    assert [c for c in rt.calls if c[0] == "destroy"] == [("destroy", 1001), ("destroy", 1002), ("destroy", 1003)]
+    events.close()  # idempotent: nothing left
+
+
+def test_an_offloads_ready_event_is_the_engines_event_it_names(rt: Runtime) -> None:
+    g = GEOMETRIES["mimo_kv"]
+    handles = [n.to_bytes(EVENT_HANDLE_BYTES, "little") for n in range(1, 5)]
+    cache = HierarchicalCache(HostKVPool(g, 4, "page_first"), MemoryTier(identity(g)))
+    ident = PoolIdentity("p", "full", "", "m", "sha256", 32)
+    pool = RegisteredPool(
+        ident,
+        filled_device(4, geometry=g),
+        cache,
+        max_batch=64,
+        finished_ops_kept=8,
+        offload_events=OpenedIpcEvents(handles),
+    )
+    assert pool._ready_hook(0) is None
+    hook = pool._ready_hook(3)
+    assert hook is not None
+    hook(9)
+    assert rt.calls[-1] == ("wait", 9, 3 + OPENED)  # ready_event 3: the third of the engine's events
+    for bad in (5, -1, True):
+        with pytest.raises(ValueError, match=rf"ready_event must be 0 or 1\.\.4 .*got {bad!r}"):
+            pool._ready_hook(bad)
+    pool.close()
+    assert ("destroy", 1 + OPENED) in rt.calls  # the engine's events are closed with the pool
