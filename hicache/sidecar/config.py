@@ -8,6 +8,7 @@ from typing import Literal
 from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry
 from hicache.pools.layouts import LAYOUTS
+from hicache.transfer.native import LAYERED_INLINE_BYTES
 
 # --hicache-io-backend value -> TransferEngine backend
 IO_BACKENDS: dict[str, Literal["auto", "torch", "triton"]] = {"auto": "auto", "direct": "torch", "kernel": "triton"}
@@ -35,8 +36,9 @@ class ServiceConfig:
     finished_ops_kept: int = 256
     io_backend: str = "auto"  # SGLang's --hicache-io-backend: direct (torch copies), kernel (Triton), auto
     # a layer-wise reload of fewer bytes is copied before the answer (done), on CPU pools:
-    # cheaper than its worker thread and the engine's layer waits (0: always layer by layer)
-    layerwise_inline_bytes: int = 4 << 20
+    # cheaper than its worker thread and the engine's layer waits (0: always layer by layer);
+    # by default the size the engine itself copies in the calling thread
+    layerwise_inline_bytes: int = LAYERED_INLINE_BYTES
 
     def __post_init__(self) -> None:
         if self.io_backend not in IO_BACKENDS:

@@ -80,7 +80,7 @@ def copy_layers(
     as FAILED (and FAILED into the words) and re-raised; DONE is the caller's to publish."""
     try:
         if per_layer:
-            handle = started or engine.reload_async(host_pages, dev_pages, progress=progress)
+            handle = started if started is not None else engine.reload_async(host_pages, dev_pages, progress=progress)
             for layer in range(op.layer_num):
                 handle.wait_layer_host(layer)  # on CUDA too: the engine reads it once announced
                 op.layer_done(layer, layer + 1)
