@@ -7,14 +7,17 @@
   Reads come from the page cache; a second read baseline keeps each page in a new buffer
   per batch, as batch_get must (its cost is mostly page faults on fresh memory).
 - redis tier: pages/s and GB/s against a raw redis-py pipeline SET / GET of the same
-  values (header included), same batch size, same server.
+  values (header included), same batch size, same server; batch_read (the cache's fetch:
+  each GET received into a reused buffer, then copied into a page buffer) against the same
+  raw GET. --repeat rounds, each timing the raw pipeline and the tier back to back; figures
+  are medians, ratios the median of per-round ratios.
 - redis-cluster tier: the same against a raw redis-py RedisCluster pipeline, on a local
   3-master, 3-replica cluster (or --redis-cluster-url).
 - HostIndex: memory per key (tracemalloc) and time per allocate+bind at growing key
   counts, to show the per-key cost does not grow.
 
     python benchmarks/tiers.py [--backend all|file|redis|redis-cluster] [--pages 256] [--dir /tmp]
-                               [--redis-url URL] [--redis-cluster-url URL] [--json]
+                               [--redis-url URL] [--redis-cluster-url URL] [--repeat 5] [--json]
 
 Without --redis-url it starts a private redis-server on a unix socket, and without
 --redis-cluster-url a local cluster (each skipped if redis-server is absent). "all" (the
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,7 +132,9 @@ def bench_file(g: KVGeometry, items: list[tuple[bytes, bytes]], folder: Path, fs
     }
 
 
-def bench_redis(g: KVGeometry, items: list[tuple[bytes, bytes]], url: str, cluster: bool = False) -> dict[str, Any]:
+def bench_redis(
+    g: KVGeometry, items: list[tuple[bytes, bytes]], url: str, cluster: bool = False, repeat: int = 5
+) -> dict[str, Any]:
     import redis
     from redis.cluster import RedisCluster
 
@@ -164,23 +170,40 @@ def bench_redis(g: KVGeometry, items: list[tuple[bytes, bytes]], url: str, clust
         for s in range(0, n, BATCH):
             assert all(x is not None for x in tier.batch_get(keys[s : s + BATCH]))
 
-    rs, ts = timed(raw_set), timed(tier_set)
-    rg, tg = timed(raw_get), timed(tier_get)
+    page = bytearray(g.page_bytes)  # stands in for a host page, as in bench_file
+
+    def into_page(_: int, data: memoryview) -> None:
+        page[:] = data
+
+    def tier_read() -> None:
+        keys = [k for k, _ in items]
+        for s in range(0, n, BATCH):
+            assert tier.batch_read(keys[s : s + BATCH], into_page) == len(keys[s : s + BATCH])
+
+    rounds = []  # each round times the raw pipeline and the tier back to back: ratios per round
+    for _ in range(repeat):
+        rs, ts = timed(raw_set), timed(tier_set)
+        rg, tg, tr = timed(raw_get), timed(tier_get), timed(tier_read)
+        rounds.append((rs, ts, rg, tg, tr))
     raw.flushall()
     raw.close()
     tier.close()
+    rs, ts, rg, tg, tr = (statistics.median(r[i] for r in rounds) for i in range(5))
     return {
         "pages": n,
+        "rounds": repeat,
         "raw_set_pages_per_s": n / rs,
         "tier_set_pages_per_s": n / ts,
         "raw_set_GBps": nbytes / rs / 1e9,
         "tier_set_GBps": nbytes / ts / 1e9,
-        "set_ratio": rs / ts,
+        "set_ratio": statistics.median(r[0] / r[1] for r in rounds),
         "raw_get_pages_per_s": n / rg,
         "tier_get_pages_per_s": n / tg,
         "raw_get_GBps": nbytes / rg / 1e9,
         "tier_get_GBps": nbytes / tg / 1e9,
-        "get_ratio": rg / tg,
+        "get_ratio": statistics.median(r[2] / r[3] for r in rounds),
+        "tier_read_into_GBps": nbytes / tr / 1e9,
+        "read_into_ratio": statistics.median(r[2] / r[4] for r in rounds),
     }
 
 
@@ -238,10 +261,10 @@ def start_redis(tmp: str) -> tuple[subprocess.Popen[bytes], str] | None:
     return proc, f"unix://{sock}"
 
 
-def bench_cluster(g: KVGeometry, items: list[tuple[bytes, bytes]], url: str) -> dict[str, Any] | str:
+def bench_cluster(g: KVGeometry, items: list[tuple[bytes, bytes]], url: str, repeat: int) -> dict[str, Any] | str:
     """bench_redis on a cluster: the one at `url`, else a local 3+3 cluster started here."""
     if url:
-        return bench_redis(g, items, url, cluster=True)
+        return bench_redis(g, items, url, cluster=True, repeat=repeat)
     from hicache.demo.redis_cluster import LocalRedisCluster
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,7 +273,7 @@ def bench_cluster(g: KVGeometry, items: list[tuple[bytes, bytes]], url: str) -> 
         except FileNotFoundError as exc:
             return f"skipped: {exc}"
         with cluster:
-            return bench_redis(g, items, cluster.url, cluster=True)
+            return bench_redis(g, items, cluster.url, cluster=True, repeat=repeat)
 
 
 def main() -> None:
@@ -261,6 +284,7 @@ def main() -> None:
     ap.add_argument("--redis-url", default="")
     ap.add_argument("--redis-cluster-url", default="", help="a node of a running cluster (default: start one)")
     ap.add_argument("--index-keys", default="100000,1000000", help="comma-separated key counts")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds of the redis benchmarks")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     g = geometry()
@@ -274,13 +298,15 @@ def main() -> None:
             server = None if args.redis_url else start_redis(tmp)
             url = args.redis_url or (server[1] if server else "")
             try:
-                result["redis"] = bench_redis(g, items[:128], url) if url else "skipped: no redis-server"
+                result["redis"] = (
+                    bench_redis(g, items[:128], url, repeat=args.repeat) if url else "skipped: no redis-server"
+                )
             finally:
                 if server:
                     server[0].terminate()
                     server[0].wait()
     if "redis-cluster" in wanted:
-        result["redis_cluster"] = bench_cluster(g, items[:128], args.redis_cluster_url)
+        result["redis_cluster"] = bench_cluster(g, items[:128], args.redis_cluster_url, args.repeat)
     if "index" in wanted:
         result["index"] = bench_index([int(x) for x in args.index_keys.split(",")])
     if args.json:
@@ -302,7 +328,8 @@ def main() -> None:
             print(
                 f"{label}: set {r['tier_set_pages_per_s']:.0f} pages/s {r['tier_set_GBps']:.2f} GB/s vs raw "
                 f"{r['raw_set_GBps']:.2f} (ratio {r['set_ratio']:.2f}); get {r['tier_get_pages_per_s']:.0f} pages/s "
-                f"{r['tier_get_GBps']:.2f} GB/s vs raw {r['raw_get_GBps']:.2f} (ratio {r['get_ratio']:.2f})"
+                f"{r['tier_get_GBps']:.2f} GB/s vs raw {r['raw_get_GBps']:.2f} (ratio {r['get_ratio']:.2f}); "
+                f"batch_read into a page {r['tier_read_into_GBps']:.2f} (ratio {r['read_into_ratio']:.2f})"
             )
         elif r is not None:
             print(f"{label}: {r}")

@@ -23,6 +23,7 @@ from typing import Any
 from hicache.storage import page_format as fmt
 from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity, TierStats
 from hicache.storage.redis_link import Backoff, Command, Link, ServerLink, down_errors
+from hicache.storage.resp import Into, Parts
 
 
 def check_options(
@@ -97,7 +98,7 @@ class RedisTier(StorageTier):
         self._down = down_errors()
         self.prefix = f"hicache:{identity.qualifier}:".encode()
         self._per_batch = max(1, max_batch_bytes // fmt.stored_size(identity, b"k" * 32))
-        self._arenas = threading.local()  # each thread's reused buffer for encoded pages
+        self._arenas = threading.local()  # each thread's reused buffer that GET replies land in
 
     def qualified(self, key: bytes) -> bytes:
         """The Redis key of page key `key`."""
@@ -146,26 +147,61 @@ class RedisTier(StorageTier):
         return self.batch_get([key])[0]
 
     def batch_get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        out: list[memoryview | None] = []
+        for start in range(0, len(keys), self._per_batch):
+            out.extend(self._get_chunk(keys[start : start + self._per_batch], None))
+        return out
+
+    def batch_read(self, keys: Sequence[bytes], sink: Callable[[int, memoryview], None]) -> int:
+        """batch_get's prefix, each page received straight into this thread's reused buffer
+        (resp: no allocation and no copy between the socket and the checksum), then handed
+        to sink."""
+        n = 0
+        for start in range(0, len(keys), self._per_batch):
+            chunk = keys[start : start + self._per_batch]
+            for payload in self._get_chunk(chunk, self._arena_slots(chunk)):
+                if payload is None:
+                    return n
+                sink(n, payload)
+                n += 1
+        return n
+
+    def _arena_slots(self, keys: Sequence[bytes]) -> Into:
+        """into() giving GET reply i its stored size's slot of this thread's reused buffer
+        (None, a new buffer, for a reply of another size: it is refused as corrupt anyway)."""
+        sizes = [fmt.stored_size(self.identity, key) for key in keys]
+        arena = getattr(self._arenas, "buffer", None)
+        if arena is None or len(arena) < sum(sizes):
+            arena = self._arenas.buffer = bytearray(sum(sizes))
+        whole, starts, offset = memoryview(arena), [], 0
+        for size in sizes:
+            starts.append(offset)
+            offset += size
+
+        def into(i: int, size: int) -> memoryview | None:
+            return whole[starts[i] : starts[i] + size] if size == sizes[i] else None
+
+        return into
+
+    def _get_chunk(self, keys: Sequence[bytes], into: Into | None) -> list[memoryview | None]:
         qkeys = [self.qualified(k) for k in keys]
         read: Command = ("GET",) if self.ttl_ms is None else ("GETEX",)
         tail: tuple[Any, ...] = () if self.ttl_ms is None else ("PX", self.ttl_ms)
+        blobs = self._link.run([(*read, q, *tail) for q in qkeys], into)
+        self._note_errors(blobs, "reads")
         out: list[memoryview | None] = []
-        for start in range(0, len(qkeys), self._per_batch):
-            chunk = qkeys[start : start + self._per_batch]
-            blobs = self._link.run([(*read, q, *tail) for q in chunk])
-            self._note_errors(blobs, "reads")
-            wrong = []
-            for key, q, blob in zip(keys[start : start + len(chunk)], chunk, blobs, strict=True):
-                if _wrong_type(blob):
-                    wrong.append(q)
-                    out.append(None)
-                else:
-                    out.append(self._decode(key, None if isinstance(blob, Exception) else blob))
-            self._drop_corrupt(wrong)
-            self._count(misses=len(wrong))
+        wrong = []
+        for key, q, blob in zip(keys, qkeys, blobs, strict=True):
+            if _wrong_type(blob):
+                wrong.append(q)
+                out.append(None)
+            else:
+                out.append(self._decode(key, None if isinstance(blob, Exception) else blob))
+        self._drop_corrupt(wrong)
+        self._count(misses=len(wrong))
         return out
 
-    def _decode(self, key: bytes, blob: bytes | None) -> memoryview | None:
+    def _decode(self, key: bytes, blob: Buffer | None) -> memoryview | None:
         if blob is None:
             self._count(misses=1)
             return None
@@ -198,9 +234,8 @@ class RedisTier(StorageTier):
         ok: list[bool] = []
         for start in range(0, len(items), self._per_batch):
             chunk = items[start : start + self._per_batch]
-            values = self._encode(chunk)
             replies = self._link.run(
-                [("SET", self.prefix + key, value, *tail) for (key, _), value in zip(chunk, values, strict=True)]
+                [("SET", self.prefix + key, self._encode(key, data), *tail) for key, data in chunk]
             )
             self._note_errors(replies, "writes")
             done = [not isinstance(r, Exception) and bool(r) for r in replies]
@@ -210,22 +245,10 @@ class RedisTier(StorageTier):
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes, write_failures=len(ok) - n_ok)
         return ok
 
-    def _encode(self, chunk: Sequence[tuple[bytes, Buffer]]) -> list[memoryview]:
-        """The stored form of each page, written into this thread's reused buffer: one copy of
-        each payload into memory already faulted in (redis-py sends a memoryview as it is).
-        The views are valid until this thread's next batch."""
-        sizes = [fmt.stored_size(self.identity, key) for key, _ in chunk]
-        arena = getattr(self._arenas, "buffer", None)
-        if arena is None or len(arena) < sum(sizes):
-            arena = self._arenas.buffer = bytearray(sum(sizes))
-        whole, out, offset = memoryview(arena), [], 0
-        for (key, data), size in zip(chunk, sizes, strict=True):
-            header = fmt.encode_header(self.identity, key, data)
-            whole[offset : offset + len(header)] = header
-            whole[offset + len(header) : offset + size] = memoryview(data).cast("B")
-            out.append(whole[offset : offset + size])
-            offset += size
-        return out
+    def _encode(self, key: bytes, data: Buffer) -> Parts:
+        """The stored form of a page as two buffers sent back to back: header + key, and the
+        caller's payload itself (resp sends it as it is: no copy)."""
+        return Parts((fmt.encode_header(self.identity, key, data), memoryview(data).cast("B")))
 
     def _note_errors(self, replies: list[Any], what: str) -> None:
         """Count error replies (OOM under maxmemory, a redirect a plain client cannot follow)

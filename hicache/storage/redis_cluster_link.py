@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from hicache.storage.base import TierHealth
 from hicache.storage.redis_link import Backoff, Command, down_errors, redis_errors
+from hicache.storage.resp import Into, Wires
 
 REFRESH_EVERY_S = 0.25  # the most often the slot map is asked for again
 
@@ -55,13 +56,14 @@ class ClusterLink:
         self.url = ",".join(self.urls)
         self._timeout, self._make_backoff, self._on_error, self._clock = timeout_s, make_backoff, on_error, clock
         self._down = down_errors()
-        self._lock = threading.Lock()  # guards _client, _nodes, _refreshed_at
+        self._lock = threading.Lock()  # guards _client, _nodes, _node_wires, _refreshed_at
         self._client: Any = None
         self._connect_backoff = make_backoff()
         self._nodes: dict[str, Backoff] = {}  # host:port -> its health, for every node that ever failed
         self._refreshed_at = -REFRESH_EVERY_S
         self._refreshing = threading.Lock()
         self._senders = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hicache-redis-node")
+        self._node_wires: dict[str, Wires] = {}  # host:port -> connections of the data path
 
     # ---- topology -----------------------------------------------------------------------------
     def _cluster(self) -> Any:
@@ -122,7 +124,7 @@ class ClusterLink:
         return backoff is not None and backoff.blocked()
 
     # ---- the data path --------------------------------------------------------------------------
-    def run(self, commands: Sequence[Command]) -> list[Any]:
+    def run(self, commands: Sequence[Command], into: Into | None = None) -> list[Any]:
         import redis
         from redis.crc import key_slot
         from redis.exceptions import AskError, MovedError
@@ -145,7 +147,7 @@ class ClusterLink:
                 replies[i], stale = redis.ConnectionError(f"redis node {node.name} is down"), True
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(i)
-        stale |= self._send(client, by_node, commands, replies, asking=False)
+        stale |= self._send(client, by_node, commands, replies, asking=False, into=into)
         # follow each redirect once: to the node named, after ASKING for an ASK
         redirected: dict[str, tuple[Any, list[int]]] = {}
         asked: dict[str, tuple[Any, list[int]]] = {}
@@ -156,8 +158,8 @@ class ClusterLink:
                 stale |= isinstance(reply, MovedError)
         if stale:
             self._refresh()
-        self._send(client, redirected, commands, replies, asking=False)
-        self._send(client, asked, commands, replies, asking=True)
+        self._send(client, redirected, commands, replies, asking=False, into=into)
+        self._send(client, asked, commands, replies, asking=True, into=into)
         return replies
 
     def _send(
@@ -168,6 +170,7 @@ class ClusterLink:
         replies: list[Any],
         *,
         asking: bool,
+        into: Into | None,
     ) -> bool:
         """Run each node's commands as one pipeline, the nodes in parallel, writing the replies
         in place; True if a node did not answer (the slot map may be stale)."""
@@ -176,7 +179,8 @@ class ClusterLink:
             return False
 
         def one(node: Any, idx: list[int]) -> bool:
-            out = self._pipeline(client, node, [commands[i] for i in idx], asking)
+            local = None if into is None else (lambda j, size: into(idx[j], size))
+            out = self._pipeline(client, node, [commands[i] for i in idx], asking, local)
             for i, reply in zip(idx, out, strict=True):
                 replies[i] = reply
             return any(isinstance(r, self._down) for r in out)
@@ -185,15 +189,24 @@ class ClusterLink:
             return one(*jobs[0])
         return any(f.result() for f in [self._senders.submit(one, node, idx) for node, idx in jobs])
 
-    def _pipeline(self, client: Any, node: Any, commands: list[Command], asking: bool) -> list[Any]:
+    def _wires(self, client: Any, node: Any) -> Wires:
+        """The connections to `node`, made by its redis-py client (remade if that changed)."""
+        conn = node.redis_connection or client.get_redis_connection(node)
+        with self._lock:
+            wires = self._node_wires.get(node.name)
+            if wires is not None and wires.client is conn:
+                return wires
+            self._node_wires[node.name] = fresh = Wires(conn)
+        if wires is not None:
+            wires.close()
+        return fresh
+
+    def _pipeline(
+        self, client: Any, node: Any, commands: list[Command], asking: bool, into: Into | None = None
+    ) -> list[Any]:
+        sent = [c for command in commands for c in (("ASKING",), command)] if asking else commands
         try:
-            conn = node.redis_connection or client.get_redis_connection(node)
-            pipe = conn.pipeline(transaction=False)
-            for command in commands:
-                if asking:
-                    pipe.execute_command("ASKING")
-                pipe.execute_command(*command)
-            out = list(pipe.execute(raise_on_error=False))
+            out = self._wires(client, node).execute(sent, _skip_asking(into) if asking and into else into)
         except redis_errors() as exc:
             if isinstance(exc, self._down):
                 self._node_backoff(node.name).failed()
@@ -258,8 +271,20 @@ class ClusterLink:
         self._senders.shutdown(wait=True)
         with self._lock:
             client, self._client = self._client, None
+            wires, self._node_wires = list(self._node_wires.values()), {}
+        for w in wires:
+            w.close()
         if client is not None:
             client.close()
+
+
+def _skip_asking(into: Into) -> Into:
+    """`into` for a pipeline that sends ASKING before each command."""
+
+    def shifted(j: int, size: int) -> memoryview | None:
+        return into(j // 2, size) if j % 2 else None
+
+    return shifted
 
 
 def _node(host: str, port: int) -> Any:

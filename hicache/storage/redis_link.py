@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from hicache.storage.base import TierHealth
+from hicache.storage.resp import Into, Wires
 
 Command = tuple[Any, ...]  # ("GET", key), ("SET", key, value, "PX", ms), ...: the key is always second
 
@@ -53,8 +54,10 @@ class Backoff:
 
 
 class Link(Protocol):
-    def run(self, commands: Sequence[Command]) -> list[Any]:
-        """One reply per command, in order: a value, or an Exception for a failed command."""
+    def run(self, commands: Sequence[Command], into: Into | None = None) -> list[Any]:
+        """One reply per command, in order: a value, or an Exception for a failed command. A
+        value may be resp.Parts; a bulk reply to command i of n bytes lands in into(i, n)
+        when that gives a buffer of n bytes (see resp.Wires.execute)."""
 
     def health(self) -> TierHealth:
         """Whether every key can be served now; probes what is down once its backoff ran out."""
@@ -81,7 +84,7 @@ def redis_errors() -> tuple[type[Exception], ...]:
 
 
 class ServerLink:
-    """One Redis server at `url`: a batch is one non-transactional pipeline."""
+    """One Redis server at `url`: a batch is one pipeline on one connection (resp.Wires)."""
 
     def __init__(
         self,
@@ -101,17 +104,15 @@ class ServerLink:
         self.client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
         )
+        self._wires = Wires(self.client)
 
-    def run(self, commands: Sequence[Command]) -> list[Any]:
+    def run(self, commands: Sequence[Command], into: Into | None = None) -> list[Any]:
         if not commands:
             return []
         if self._backoff.blocked():
             return [_blocked(self.url, self._backoff)] * len(commands)
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            replies = list(pipe.execute(raise_on_error=False))  # an error reply fails its command only
+            replies = self._wires.execute(commands, into)  # an error reply fails its command only
         except self._errors as exc:
             if isinstance(exc, self._down):
                 self._backoff.failed()
@@ -136,6 +137,7 @@ class ServerLink:
         return [] if self._backoff.healthy else [self.url]
 
     def close(self) -> None:
+        self._wires.close()
         self.client.close()
 
 

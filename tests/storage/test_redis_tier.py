@@ -88,3 +88,27 @@ def test_unreachable_at_start_does_not_raise(tmp_path):
     tier = RedisTier(identity(g), f"unix://{tmp_path}/nothing.sock", timeout_s=0.5)
     assert tier.get(key(0)) is None and not tier.set(key(0), payload(g, 0))
     assert not tier.health().healthy and "unreachable" in tier.health().detail
+
+
+def test_batch_read_receives_pages_into_one_reused_buffer_and_stops_at_the_first_miss(server):
+    g = GEOMETRIES["mimo_kv"]
+    tier = RedisTier(identity(g), server.url)
+    assert tier.batch_set([(key(i), payload(g, i)) for i in range(4)]) == [True] * 4
+    seen: list[tuple[int, bytes, object]] = []
+
+    def sink(i: int, data: memoryview) -> None:
+        seen.append((i, bytes(data), data.obj))
+
+    assert tier.batch_read([key(0), key(1), key(9), key(2)], sink) == 2
+    assert [(i, b) for i, b, _ in seen] == [(0, payload(g, 0)), (1, payload(g, 1))]
+    assert tier.batch_read([key(2), key(3)], sink) == 2
+    assert bytes(seen[-1][1]) == payload(g, 3)
+    assert len({id(obj) for _, _, obj in seen}) == 1  # every page landed in the same buffer
+    raw = server.client()
+    value = bytearray(raw.get(tier.qualified(key(3))))
+    value[-1] ^= 1
+    raw.set(tier.qualified(key(3)), bytes(value))
+    raw.set(tier.qualified(key(2)), b"short")  # another size: read apart, refused
+    assert tier.batch_read([key(2)], sink) == 0 and tier.batch_read([key(0), key(3)], sink) == 1
+    assert raw.exists(tier.qualified(key(2)), tier.qualified(key(3))) == 0 and tier.stats().corrupt == 2
+    tier.close()

@@ -1,0 +1,235 @@
+"""The Redis tier's data path on the wire (RESP2), without redis-py's pipeline.
+
+redis-py joins a stored page's header and payload into one value before sending it, and
+reads every reply into new bytes through its parser: the page is copied twice more than it
+must be, and a 1.5 MB GET is parsed at about 0.5 GB/s. Here a command's value may be
+`Parts` (several buffers sent as one bulk string, each large one as it is), and a bulk reply
+is received straight into a buffer the caller chooses (`into`), with no copy in between.
+
+Connections are made by a redis-py client's pool, so the URL's password, database, TLS,
+protocol (RESP2 or 3) and timeouts apply as before; once connected, this module drives the
+socket. Replies keep redis-py's types: b"OK" for a status, int, a memoryview for a bulk
+string, None for nil,
+and the redis-py exception for an error reply (MOVED, ASK, WRONGTYPE, ...). A broken or
+slow connection raises redis.ConnectionError or redis.TimeoutError and is closed.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Buffer = bytes | bytearray | memoryview
+Into = Callable[[int, int], memoryview | None]  # (command index, bulk length) -> where to put it
+
+SEND_APART = 16 << 10  # a value piece at least this long is sent as its own buffer, not copied
+READ_BYTES = 64 << 10  # the reply reader's buffer (status lines, small replies, headers)
+
+
+class Parts(tuple[Buffer, ...]):
+    """One bulk-string argument sent as the concatenation of its buffers."""
+
+
+def pack(commands: Sequence[Sequence[Any]]) -> list[Buffer]:
+    """The commands as RESP2 arrays of bulk strings: a list of buffers to send in order.
+    Small pieces are joined; value pieces of SEND_APART bytes or more are sent as they are.
+    Raises TypeError for an argument that is not bytes-like, str, int or Parts."""
+    out: list[Buffer] = []
+    small = bytearray()
+    for command in commands:
+        small += b"*%d\r\n" % len(command)
+        for arg in command:
+            pieces = _pieces(arg)
+            small += b"$%d\r\n" % sum(p.nbytes for p in pieces)
+            for piece in pieces:
+                if piece.nbytes >= SEND_APART:
+                    out.append(small)
+                    out.append(piece)
+                    small = bytearray()
+                else:
+                    small += piece
+            small += b"\r\n"
+    if small:
+        out.append(small)
+    return out
+
+
+def _pieces(arg: Any) -> list[memoryview]:
+    if isinstance(arg, Parts):
+        return [memoryview(p).cast("B") for p in arg]
+    if isinstance(arg, bytes | bytearray | memoryview):
+        return [memoryview(arg).cast("B")]
+    if isinstance(arg, str):
+        return [memoryview(arg.encode())]
+    if isinstance(arg, int) and not isinstance(arg, bool):
+        return [memoryview(b"%d" % arg)]
+    raise TypeError(f"a redis argument must be bytes-like, str, int or Parts, got {type(arg).__name__}")
+
+
+def error_reply(message: str) -> Exception:
+    """The redis-py exception for an error reply `message` (without its leading '-')."""
+    from redis import exceptions as rx
+
+    code, _, rest = message.partition(" ")
+    by_code: dict[str, tuple[type[Exception], str]] = {
+        "MOVED": (rx.MovedError, rest),
+        "ASK": (rx.AskError, rest),
+        "LOADING": (rx.BusyLoadingError, message),
+        "READONLY": (rx.ReadOnlyError, message),
+        "CLUSTERDOWN": (rx.ClusterDownError, message),
+        "TRYAGAIN": (rx.TryAgainError, message),
+        "OOM": (rx.OutOfMemoryError, message),
+        "NOPERM": (rx.NoPermissionError, message),
+    }
+    cls, text = by_code.get(code, (rx.ResponseError, message))
+    return cls(text)
+
+
+class Reader:
+    """RESP2 replies from a socket. Bulk strings are received into the buffer `into` names
+    (or a new one), the part already read ahead copied first, the rest by recv_into."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._buf = bytearray(READ_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+
+    def reply(self, into: Callable[[int], memoryview | None] | None = None) -> Any:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"$":
+            size = int(rest)
+            if size < 0:
+                return None
+            dest = into(size) if into is not None else None
+            if dest is None or dest.nbytes != size:
+                dest = memoryview(bytearray(size))
+            self._exact(dest)
+            self._exact(memoryview(bytearray(2)))  # the bulk string's CRLF
+            return dest
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return error_reply(rest.decode(errors="replace"))
+        if kind in (b":", b"("):
+            return int(rest)
+        if kind == b"_":  # RESP3 (a connection that said HELLO 3): null
+            return None
+        if kind == b"#":
+            return rest == b"t"
+        if kind == b",":
+            return float(rest)
+        if kind in (b"!", b"="):  # blob error, verbatim string ("txt:..."): length-prefixed
+            body = memoryview(bytearray(int(rest) + 2))
+            self._exact(body)
+            text = bytes(body[:-2])
+            return error_reply(text.decode(errors="replace")) if kind == b"!" else text[4:]
+        if kind in (b"*", b"~", b"%"):  # array, set, map (as a flat list of keys and values)
+            count = int(rest) * (2 if kind == b"%" else 1)
+            return None if count < 0 else [self.reply() for _ in range(count)]
+        raise _protocol_error(f"unexpected reply type {line[:40]!r}")
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buf.find(b"\r\n", self._start, self._end)
+            if end >= 0:
+                line = bytes(self._view[self._start : end])
+                self._start = end + 2
+                return line
+            if self._start == 0 and self._end == len(self._buf):
+                raise _protocol_error(f"a reply line longer than {len(self._buf)} bytes")
+            self._fill()
+
+    def _fill(self) -> None:
+        if self._start > 0:  # keep the unread tail at the front
+            pending = self._end - self._start
+            self._view[:pending] = self._view[self._start : self._end]
+            self._start, self._end = 0, pending
+        got = self._sock.recv_into(self._view[self._end :])
+        if got == 0:
+            raise ConnectionResetError("the server closed the connection")
+        self._end += got
+
+    def _exact(self, dest: memoryview) -> None:
+        have = min(dest.nbytes, self._end - self._start)
+        dest[:have] = self._view[self._start : self._start + have]
+        self._start += have
+        while have < dest.nbytes:
+            got = self._sock.recv_into(dest[have:])
+            if got == 0:
+                raise ConnectionResetError("the server closed the connection")
+            have += got
+
+
+def _protocol_error(detail: str) -> Exception:
+    from redis.exceptions import InvalidResponse
+
+    return InvalidResponse(f"redis protocol error: {detail}")
+
+
+class _Wire:
+    """One connected socket, with the redis-py connection that made it (kept to close it)."""
+
+    def __init__(self, conn: Any):
+        conn.connect()  # the URL's AUTH, SELECT, TLS handshake and socket timeout
+        sock = getattr(conn, "_sock", None)
+        if not isinstance(sock, socket.socket):
+            import redis
+
+            conn.disconnect()
+            raise redis.ConnectionError(f"redis-py's {type(conn).__name__} gave no socket to drive")
+        self.conn, self.sock, self.reader = conn, sock, Reader(sock)
+
+    def close(self) -> None:
+        self.conn.disconnect()
+
+
+class Wires:
+    """Connections to the server of a redis-py client (redis.Redis), reused between calls,
+    one per concurrent caller. Thread-safe."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self._idle: list[_Wire] = []
+        self._lock = threading.Lock()
+
+    def execute(self, commands: Sequence[Sequence[Any]], into: Into | None = None) -> list[Any]:
+        """Send `commands` as one pipeline and return their replies in order; a bulk reply to
+        command i of length n goes into into(i, n) when that is a buffer of n bytes.
+        Raises redis.ConnectionError / TimeoutError (the connection is then closed)."""
+        import redis
+
+        wire = self._take()
+        try:
+            for chunk in pack(commands):
+                wire.sock.sendall(chunk)
+            replies = [wire.reader.reply(None if into is None else _bound(into, i)) for i in range(len(commands))]
+        except BaseException as exc:
+            wire.close()
+            if isinstance(exc, socket.timeout):
+                raise redis.TimeoutError(f"redis: timed out ({exc})") from exc
+            if isinstance(exc, OSError):
+                raise redis.ConnectionError(f"redis: {type(exc).__name__}: {exc}") from exc
+            raise
+        with self._lock:
+            self._idle.append(wire)
+        return replies
+
+    def _take(self) -> _Wire:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return _Wire(self.client.connection_pool.make_connection())
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for wire in idle:
+            wire.close()
+
+
+def _bound(into: Into, i: int) -> Callable[[int], memoryview | None]:
+    return lambda size: into(i, size)

@@ -1,0 +1,193 @@
+"""The Redis tier's own wire (hicache.storage.resp): commands packed without copying large
+values, replies read (RESP2 and RESP3) straight into the caller's buffers, error replies as
+redis-py's exceptions, and broken or slow connections, against a socket pair and a real
+redis-server."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis import exceptions as rx
+from tier_helpers import RedisServer
+
+from hicache.storage.resp import SEND_APART, Parts, Reader, Wires, error_reply, pack
+
+
+def test_pack_sends_large_value_pieces_as_they_are_and_joins_the_rest():
+    payload = bytearray(b"p" * SEND_APART)
+    chunks = pack([("SET", b"k", Parts((b"head", payload)), "PX", 5), ("GET", b"k")])
+    assert b"".join(bytes(c) for c in chunks) == (
+        b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\nhead" % (4 + SEND_APART)
+        + bytes(payload)
+        + b"\r\n$2\r\nPX\r\n$1\r\n5\r\n*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
+    )
+    sent_apart = [c for c in chunks if isinstance(c, memoryview)]
+    assert len(sent_apart) == 1 and sent_apart[0].obj is payload  # the caller's buffer, not a copy
+    assert len(chunks) == 3  # everything small is joined around it
+
+
+@pytest.mark.parametrize("bad", [1.5, None, True, ["x"]])
+def test_pack_refuses_an_argument_it_cannot_send_naming_its_type(bad):
+    with pytest.raises(TypeError, match=type(bad).__name__):
+        pack([("SET", b"k", bad)])
+
+
+@pytest.mark.parametrize(
+    ("message", "cls", "text"),
+    [
+        ("MOVED 3999 127.0.0.1:6381", rx.MovedError, "3999 127.0.0.1:6381"),
+        ("ASK 3999 127.0.0.1:6381", rx.AskError, "3999 127.0.0.1:6381"),
+        ("LOADING Redis is loading", rx.BusyLoadingError, "LOADING Redis is loading"),
+        ("WRONGTYPE Operation against a key", rx.ResponseError, "WRONGTYPE Operation against a key"),
+        ("OOM command not allowed", rx.OutOfMemoryError, "OOM command not allowed"),
+    ],
+)
+def test_error_replies_become_redis_py_exceptions(message, cls, text):
+    exc = error_reply(message)
+    assert type(exc) is cls and str(exc) == text
+    if cls is rx.AskError:
+        assert exc.slot_id == 3999 and exc.node_addr == ("127.0.0.1", 6381)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def dribble(sock: socket.socket, data: bytes, step: int) -> threading.Thread:
+    """Send `data` `step` bytes at a time, so that replies arrive cut at every boundary."""
+
+    def run() -> None:
+        for i in range(0, len(data), step):
+            sock.sendall(data[i : i + step])
+            time.sleep(0)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("step", [1, 7, 1 << 20])
+def test_reader_parses_resp2_and_resp3_replies_cut_anywhere(pair, step):
+    big = bytes(range(256)) * 300  # longer than the reader's buffer when step is large
+    wire = (
+        b"+OK\r\n:42\r\n(12345678901234567890\r\n$-1\r\n_\r\n#t\r\n,1.5\r\n"
+        + b"$%d\r\n" % len(big)
+        + big
+        + b"\r\n-WRONGTYPE bad\r\n!11\r\nMOVED 7 h:1\r\n=8\r\ntxt:abcd\r\n*2\r\n$1\r\na\r\n:1\r\n%1\r\n+k\r\n+v\r\n"
+    )
+    t = dribble(pair[1], wire, step)
+    reader = Reader(pair[0])
+    got = [reader.reply() for _ in range(13)]
+    t.join()
+    assert got[:7] == [b"OK", 42, 12345678901234567890, None, None, True, 1.5]
+    assert bytes(got[7]) == big
+    assert isinstance(got[8], rx.ResponseError) and str(got[8]) == "WRONGTYPE bad"
+    assert isinstance(got[9], rx.MovedError) and got[9].slot_id == 7
+    assert got[10] == b"abcd"
+    assert [bytes(got[11][0]), got[11][1]] == [b"a", 1]
+    assert got[12] == [b"k", b"v"]  # a map, as its keys and values in turn
+
+
+@pytest.mark.parametrize("step", [3, 1 << 20])
+def test_a_bulk_reply_lands_in_the_buffer_it_is_given(pair, step):
+    body = b"x" * 100_000
+    t = dribble(pair[1], b"$%d\r\n%s\r\n$3\r\nabc\r\n" % (len(body), body), step)
+    reader = Reader(pair[0])
+    target = bytearray(len(body))
+    got = reader.reply(lambda n: memoryview(target) if n == len(target) else None)
+    assert got.obj is target and bytes(target) == body
+    other = reader.reply(lambda n: memoryview(target))  # the wrong size: a buffer of its own
+    t.join()
+    assert bytes(other) == b"abc" and other.obj is not target
+
+
+def test_unknown_reply_type_and_a_closed_connection(pair):
+    pair[1].sendall(b"?what\r\n")
+    with pytest.raises(rx.InvalidResponse, match="unexpected reply type"):
+        Reader(pair[0]).reply()
+    pair[1].sendall(b"$10\r\nabc")
+    pair[1].close()
+    with pytest.raises(ConnectionResetError):
+        Reader(pair[0]).reply()
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[RedisServer]:
+    s = RedisServer(tmp_path)
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_wires_against_a_real_server(server, protocol):
+    client = redis.Redis.from_url(server.url, protocol=protocol)
+    wires = Wires(client)
+    value = bytes(range(256)) * 400
+    target = bytearray(len(value) + 2)
+    replies = wires.execute(
+        [
+            ("SET", b"page", Parts((b"hd", value))),
+            ("GET", b"page"),
+            ("GET", b"absent"),
+            ("STRLEN", b"page"),
+            ("HSET", b"h", b"f", b"v"),
+            ("GET", b"h"),
+        ],
+        lambda i, n: memoryview(target) if i == 1 else None,
+    )
+    assert replies[0] == b"OK" and replies[1].obj is target and bytes(target) == b"hd" + value
+    assert replies[2] is None and replies[3] == len(value) + 2 and replies[4] == 1
+    assert isinstance(replies[5], rx.ResponseError) and str(replies[5]).startswith("WRONGTYPE")
+    assert client.get(b"page") == b"hd" + value  # what redis-py reads back is what was sent
+    # one connection, reused
+    assert wires.execute([("PING",)]) == [b"PONG"] and len(wires._idle) == 1
+    wires.close()
+    client.close()
+
+
+def test_a_dead_server_raises_connection_error_then_a_new_connection_works(server):
+    wires = Wires(redis.Redis.from_url(server.url, socket_timeout=2))
+    assert wires.execute([("SET", b"a", b"1")]) == [b"OK"]
+    server.stop()
+    with pytest.raises(redis.ConnectionError):
+        wires.execute([("GET", b"a")])
+    assert wires._idle == []  # the broken connection was closed, not kept
+    server.start()
+    assert wires.execute([("SET", b"a", b"2"), ("GET", b"a")])[0] == b"OK"
+    wires.close()
+
+
+def test_a_server_that_stops_answering_raises_timeout_error(tmp_path):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:  # answers redis-py's handshake (+OK to each command), then not the GET
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        while b"GET" not in (data := conn.recv(65536)) and data:
+            conn.sendall(b"+OK\r\n" * data.count(b"\r\n*") + b"+OK\r\n" * data.startswith(b"*"))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    wires = Wires(redis.Redis(port=port, socket_timeout=0.3, protocol=2))
+    with pytest.raises(redis.TimeoutError):
+        wires.execute([("GET", b"a")])
+    assert wires._idle == []
+    t.join()
+    for s in accepted:
+        s.close()
+    listener.close()
