@@ -3,14 +3,15 @@
 - file tier: batch_set / batch_get GB/s against a plain sequential write / read of the
   same bytes to one file in the same folder (with fsync at the end when the tier fsyncs);
   batch_read (what the cache's fetch uses: each page read into a reused buffer, then copied
-  into a page buffer) against the same plain read into a reused buffer.
+  into a page buffer, and then into a layer_first HostKVPool with write_page, as the cache
+  does) against the same plain read into a reused buffer.
   Reads come from the page cache; a second read baseline keeps each page in a new buffer
   per batch, as batch_get must (its cost is mostly page faults on fresh memory).
 - redis tier: pages/s and GB/s against a raw redis-py pipeline SET / GET of the same
   values (header included), same batch size, same server; batch_read (the cache's fetch:
   each GET received into a reused buffer, then copied into a page buffer) against the same
   raw GET. --repeat rounds, each timing the raw pipeline and the tier back to back; figures
-  are medians, ratios the median of per-round ratios.
+  are medians, ratios the median of per-round ratios (the file tier's rounds likewise).
 - redis-cluster tier: the same against a raw redis-py RedisCluster pipeline, on a local
   3-master, 3-replica cluster (or --redis-cluster-url).
 - HostIndex: memory per key (tracemalloc) and time per allocate+bind at growing key
@@ -27,6 +28,7 @@ default) runs file and redis; redis-cluster runs only when asked for.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -41,6 +43,7 @@ from typing import Any
 
 from hicache.cache.index import HostIndex
 from hicache.geometry import KVGeometry
+from hicache.pools.host import HostKVPool
 from hicache.storage import TierIdentity
 from hicache.storage import page_format as fmt
 from hicache.storage.file import FileTier
@@ -64,7 +67,9 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t
 
 
-def bench_file(g: KVGeometry, items: list[tuple[bytes, bytes]], folder: Path, fsync: bool | str) -> dict[str, Any]:
+def bench_file(
+    g: KVGeometry, items: list[tuple[bytes, bytes]], folder: Path, fsync: bool | str, repeat: int = 5
+) -> dict[str, Any]:
     ident = TierIdentity.for_geometry(g, "bench@0")
     nbytes = len(items) * g.page_bytes
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
@@ -111,24 +116,40 @@ def bench_file(g: KVGeometry, items: list[tuple[bytes, bytes]], folder: Path, fs
             for s in range(0, len(keys), BATCH):
                 assert tier.batch_read(keys[s : s + BATCH], into_page) == len(keys[s : s + BATCH])
 
-        pw, tw = timed(plain_write), timed(tier_write)
-        pr, pk, tr = timed(plain_read), timed(plain_read_kept), timed(tier_read)  # all from the page cache
-        ti = timed(tier_read_into)
+        host = HostKVPool(g, len(keys), "layer_first")  # the cache's real target: a host pool
+        host.flat.fill_(1)  # its memory faulted in, as a running sidecar's is
+
+        def tier_read_pool() -> None:
+            for s in range(0, len(keys), BATCH):
+                sink = functools.partial(lambda base, i, data: host.write_page(base + i, data), s)
+                assert tier.batch_read(keys[s : s + BATCH], sink) == len(keys[s : s + BATCH])
+
+        order = (plain_write, tier_write, plain_read, plain_read_kept, tier_read, tier_read_into, tier_read_pool)
+        rounds = [[timed(fn) for fn in order] for _ in range(repeat)]  # reads all from the page cache
+        assert bytes(host.read_page(len(keys) - 1).numpy()) == items[-1][1]
         tier.check_integrity()
+    pw, tw, pr, pk, tr, ti, tp = (statistics.median(r[i] for r in rounds) for i in range(len(order)))
+
+    def ratio(limit: int, measured: int) -> float:
+        return statistics.median(r[limit] / r[measured] for r in rounds)
+
     return {
         "fsync": fsync,
         "pages": len(items),
         "page_bytes": g.page_bytes,
+        "rounds": repeat,
         "plain_write_GBps": nbytes / pw / 1e9,
         "tier_write_GBps": nbytes / tw / 1e9,
-        "write_ratio": pw / tw,
+        "write_ratio": ratio(0, 1),
         "plain_read_GBps": nbytes / pr / 1e9,
         "tier_read_GBps": nbytes / tr / 1e9,
-        "read_ratio": pr / tr,
+        "read_ratio": ratio(2, 4),
         "plain_read_kept_GBps": nbytes / pk / 1e9,
-        "read_ratio_kept": pk / tr,
+        "read_ratio_kept": ratio(3, 4),
         "tier_read_into_GBps": nbytes / ti / 1e9,
-        "read_into_ratio": pr / ti,
+        "read_into_ratio": ratio(2, 5),
+        "tier_read_pool_GBps": nbytes / tp / 1e9,
+        "read_pool_ratio": ratio(2, 6),
     }
 
 
@@ -284,7 +305,7 @@ def main() -> None:
     ap.add_argument("--redis-url", default="")
     ap.add_argument("--redis-cluster-url", default="", help="a node of a running cluster (default: start one)")
     ap.add_argument("--index-keys", default="100000,1000000", help="comma-separated key counts")
-    ap.add_argument("--repeat", type=int, default=5, help="rounds of the redis benchmarks")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds of each tier's benchmark")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     g = geometry()
@@ -292,7 +313,7 @@ def main() -> None:
     result: dict[str, Any] = {"geometry": g.to_dict(), "batch": BATCH}
     wanted = {"all": ("file", "redis", "index"), "file": ("file", "index")}.get(args.backend, (args.backend,))
     if "file" in wanted:
-        result["file"] = [bench_file(g, items, Path(args.dir), fsync) for fsync in (False, True, "batch")]
+        result["file"] = [bench_file(g, items, Path(args.dir), fsync, args.repeat) for fsync in (False, True, "batch")]
     if "redis" in wanted:
         with tempfile.TemporaryDirectory() as tmp:
             server = None if args.redis_url else start_redis(tmp)
@@ -320,7 +341,8 @@ def main() -> None:
             f"{r['plain_write_GBps']:.2f} (ratio {r['write_ratio']:.2f}); read {r['tier_read_GBps']:.2f} "
             f"vs {r['plain_read_GBps']:.2f} (ratio {r['read_ratio']:.2f}; vs {r['plain_read_kept_GBps']:.2f} "
             f"into kept buffers, ratio {r['read_ratio_kept']:.2f}); batch_read into a page "
-            f"{r['tier_read_into_GBps']:.2f} (ratio {r['read_into_ratio']:.2f})"
+            f"{r['tier_read_into_GBps']:.2f} (ratio {r['read_into_ratio']:.2f}); into a layer_first host pool "
+            f"{r['tier_read_pool_GBps']:.2f} (ratio {r['read_pool_ratio']:.2f})"
         )
     for name, label in (("redis", "redis tier"), ("redis_cluster", "redis-cluster tier (3+3 nodes)")):
         r = result.get(name)

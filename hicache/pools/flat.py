@@ -64,9 +64,18 @@ class FlatPool:
         return out.flat
 
     def write_page(self, page: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
-        """Write one canonical flat page (page_bytes) into `page`. Raises ValueError."""
+        """Write one canonical flat page (page_bytes) into `page`. Raises ValueError.
+        A writable buffer (a tier's reused read buffer) is copied from where it is; a
+        read-only one (bytes) is copied once first, as torch cannot wrap it."""
         self._check_page(page)
-        src = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if isinstance(data, torch.Tensor):
+            src = data
+        else:
+            view = memoryview(data)
+            if view.nbytes != self.geometry.page_bytes:
+                raise ValueError(f"page data must be {self.geometry.page_bytes} uint8 bytes, got {view.nbytes} bytes")
+            direct = not view.readonly and view.c_contiguous
+            src = torch.frombuffer(view.cast("B") if direct else bytearray(view), dtype=torch.uint8)
         if src.dtype != torch.uint8 or src.dim() != 1 or src.numel() != self.geometry.page_bytes:
             raise ValueError(
                 f"page data must be {self.geometry.page_bytes} uint8 bytes, got {src.numel()} "

@@ -95,6 +95,22 @@ def test_page_first_direct_page_is_contiguous_slice():
     assert torch.equal(pool.read_page(1), pool.flat[pb : 2 * pb])
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_write_page_from_every_kind_of_buffer(layout):
+    """A writable view is wrapped where it lies (a tier's reused buffer, at an offset);
+    bytes and a strided view are copied first. Each lands as the same page."""
+    pool = HostKVPool(MIMO, 4, layout)
+    pb = MIMO.page_bytes
+    page = torch.randint(0, 256, (pb,), dtype=torch.uint8).numpy().tobytes()
+    arena = bytearray(3 * pb)
+    arena[pb : 2 * pb] = page
+    strided = memoryview(bytearray(b"".join(bytes([b, 0]) for b in page)))[::2]
+    for i, data in enumerate([memoryview(arena)[pb : 2 * pb], page, strided, bytearray(page)]):
+        pool.write_page(i, data)
+        assert bytes(pool.read_page(i).numpy()) == page, type(data)
+    assert bytes(arena[pb : 2 * pb]) == page  # the source is read, never written
+
+
 def test_write_page_errors_leave_pool_untouched():
     pool = HostKVPool(MIMO, 2)
     fill_random(pool)
