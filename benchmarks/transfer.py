@@ -9,7 +9,11 @@ drawn from pools twice the transfer size. Ratios:
   offload_ratio / reload_ratio  engine GB/s over memcpy GB/s of the same direction
   naive_ratio                   torch index_select + index_copy_ over token rows (both directions, mean)
   pageN_offload_ratio / pageN_reload_ratio (N = 1, 4, 16)  the same for transfers of N pages
-                                (fixed per-call costs), with pageN_*_us the engine's time
+                                (fixed per-call costs), with pageN_*_us the engine's time;
+                                with the native backend, pageN_*_chunks_ratio is the C copy
+                                of exactly those pages' chunks (descriptors made beforehand,
+                                one thread) over the engine's time: the share of a call that
+                                is the copy itself, pageN_*_chunks_us its time
   layerwise_over_plain          a layer-wise reload (reload_async, wait_layer for every layer,
                                 wait) over a plain reload of the same pages: the full transfer,
                                 and layerwise_over_plain_1page for one page
@@ -44,6 +48,7 @@ from hicache import DeviceKVPool, HostKVPool, KVGeometry, TransferEngine
 from hicache.pools import LAYOUTS
 from hicache.pools.flat import FlatPool
 from hicache.transfer import native
+from hicache.transfer.plan import make_plan
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "hicache" / "data" / "mimo_v2_flash.json"
 
@@ -163,8 +168,10 @@ class BusyThread:
 def small_rounds(
     engine: TransferEngine, device: FlatPool, host: FlatPool, d: np.ndarray, h: np.ndarray, reps: int
 ) -> dict[str, list[float]]:
-    """Offload / reload of pages d <-> h, interleaved with memcpy of their bytes."""
-    nbytes = len(d) * device.geometry.page_bytes
+    """Offload / reload of pages d <-> h, interleaved with memcpy of their bytes and, with
+    the native backend, the C copy of exactly the pages' chunks (descriptors built before)."""
+    g = device.geometry
+    nbytes = len(d) * g.page_bytes
     dev_bytes, host_bytes = device.flat[:nbytes], host.flat[:nbytes]
     fns = {
         "d2h": lambda: host_bytes.copy_(dev_bytes),
@@ -172,6 +179,12 @@ def small_rounds(
         "h2d": lambda: dev_bytes.copy_(host_bytes),
         "reload": lambda: engine.reload(h, d),
     }
+    if engine.backend == "native":
+        layers = range(g.layer_num)
+        to_host = make_plan(d, device.num_pages, h, host.num_pages, g.layer_num)
+        to_dev = make_plan(h, host.num_pages, d, device.num_pages, g.layer_num)
+        fns["d2h_chunks"] = native.batch_call(device, host, native.descriptors(device, host, to_host, layers), 1)
+        fns["h2d_chunks"] = native.batch_call(host, device, native.descriptors(host, device, to_dev, layers), 1)
     return interleaved(fns, reps, "cpu")
 
 
@@ -196,6 +209,10 @@ def fixed_costs(
             pairs = zip(rounds[base], rounds[name], strict=True)
             out[f"page{n}_{name}_ratio"] = statistics.median(m / e for m, e in pairs)
             out[f"page{n}_{name}_us"] = statistics.median(rounds[name]) * 1e6
+            if f"{base}_chunks" in rounds:
+                chunks = zip(rounds[f"{base}_chunks"], rounds[name], strict=True)
+                out[f"page{n}_{name}_chunks_ratio"] = statistics.median(c / e for c, e in chunks)
+                out[f"page{n}_{name}_chunks_us"] = statistics.median(rounds[f"{base}_chunks"]) * 1e6
     out["layerwise_over_plain"] = statistics.median(layerwise_rounds(engine, dev_pages, host_pages, g.layer_num, reps))
     one = layerwise_rounds(engine, dev_pages[:1], host_pages[:1], g.layer_num, reps)
     out["layerwise_over_plain_1page"] = statistics.median(one)
@@ -307,6 +324,12 @@ def table(r: dict[str, Any]) -> str:
             lines.append(
                 f"{n:>2}-page offload / reload: {r[f'page{n}_offload_us']:.0f} / {r[f'page{n}_reload_us']:.0f} us, "
                 f"ratio {r[f'page{n}_offload_ratio']:.3f} / {r[f'page{n}_reload_ratio']:.3f}"
+                + (
+                    f"; the chunks' C copy alone {r[f'page{n}_offload_chunks_us']:.0f} / "
+                    f"{r[f'page{n}_reload_chunks_us']:.0f} us"
+                    if f"page{n}_offload_chunks_us" in r
+                    else ""
+                )
             )
     if "layerwise_over_plain" in r:
         lines.append(

@@ -58,7 +58,7 @@ class RedisServer:
             pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does this)")
         self.exe, self.tmp, self.unix = exe, tmp, unix
         self.sock = tmp / "redis.sock"
-        self.port = 0 if unix else _free_port()
+        self.port = 0 if unix else free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = f"unix://{self.sock}" if unix else f"redis://127.0.0.1:{self.port}/0"
 
@@ -113,7 +113,7 @@ class RedisServer:
         return redis.Redis.from_url(self.url)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

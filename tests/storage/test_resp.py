@@ -1,11 +1,14 @@
 """The Redis tier's own wire (hicache.storage.resp): commands packed without copying large
 values, replies read (RESP2 and RESP3) straight into the caller's buffers, error replies as
 redis-py's exceptions, and broken or slow connections, against a socket pair and a real
-redis-server."""
+redis-server; and the tier over a password, a database number and TLS, which redis-py's
+connections set up for the wire."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -13,8 +16,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 from redis import exceptions as rx
-from tier_helpers import RedisServer
+from tier_helpers import GEOMETRIES, RedisServer, free_port, identity, key, payload
 
+from hicache.storage.redis import RedisTier
 from hicache.storage.resp import SEND_APART, Parts, Reader, Wires, error_reply, pack
 
 
@@ -191,3 +195,79 @@ def test_a_server_that_stops_answering_raises_timeout_error(tmp_path):
     for s in accepted:
         s.close()
     listener.close()
+
+
+def spawn_redis(tmp_path, url: str, args: list[str]) -> subprocess.Popen[bytes]:
+    """A redis-server with `args`, once a redis-py client at `url` gets PONG."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does this)")
+    proc = subprocess.Popen([exe, "--save", "", "--appendonly", "no", "--dir", str(tmp_path), "--bind", "127.0.0.1", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with redis.Redis.from_url(url, socket_timeout=1) as probe:
+                if probe.ping():
+                    return proc
+        except redis.RedisError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"redis-server did not start: {args}") from None
+            time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_the_tier_over_a_password_and_a_database_number(tmp_path):
+    port = free_port()
+    url = f"redis://:s3cret@127.0.0.1:{port}/3"
+    proc = spawn_redis(tmp_path, url, ["--port", str(port), "--requirepass", "s3cret"])
+    try:
+        g = GEOMETRIES["mimo_kv"]
+        tier = RedisTier(identity(g), url)
+        assert tier.batch_set([(key(i), payload(g, i)) for i in range(3)]) == [True] * 3
+        got: dict[int, bytes] = {}
+        assert tier.batch_read([key(0), key(1), key(2)], lambda i, d: got.__setitem__(i, bytes(d))) == 3
+        assert [got[i] for i in range(3)] == [payload(g, i) for i in range(3)]
+        with redis.Redis.from_url(url) as raw:
+            assert raw.dbsize() == 3  # in database 3 ...
+            raw.select(0)
+            assert raw.dbsize() == 0  # ... not 0
+        tier.close()
+        wrong = RedisTier(identity(g), f"redis://:nope@127.0.0.1:{port}/3")
+        assert wrong.batch_get([key(0)]) == [None] and wrong.set(key(0), payload(g, 0)) is False
+        assert "invalid" in wrong.stats().last_error.lower() or "auth" in wrong.stats().last_error.lower()
+        wrong.close()
+    finally:
+        stop(proc)
+
+
+def test_the_tier_over_tls(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (.ci/run installs it)")
+    cert, private = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", private, "-out", cert, "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    port = free_port()
+    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+    tls = ["--tls-cert-file", cert, "--tls-key-file", private, "--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]
+    proc = spawn_redis(tmp_path, url, ["--port", "0", "--tls-port", str(port), *map(str, tls)])
+    try:
+        g = GEOMETRIES["mimo_kv"]
+        tier = RedisTier(identity(g), url)
+        pages = [(key(i), payload(g, i)) for i in range(4)]
+        assert tier.batch_set(pages) == [True] * 4
+        got: dict[int, bytes] = {}
+        assert tier.batch_read([k for k, _ in pages], lambda i, d: got.__setitem__(i, bytes(d))) == 4
+        assert [got[i] for i in range(4)] == [p for _, p in pages]
+        assert [bytes(x) for x in tier.batch_get([k for k, _ in pages]) if x is not None] == [p for _, p in pages]
+        tier.close()
+    finally:
+        stop(proc)
