@@ -265,9 +265,11 @@ class TransferEngine:
             copy_pages_triton(src, dst, plan if layers is None else layer_plan(plan, layers))
             return
         if self.backend == "native":
-            batch = native.descriptors(src, dst, plan, plan.layers if layers is None else layers)
-            shares = self.shares if batch.nbytes >= native.SMALL_BYTES else 1  # small: this thread only
-            native.batch_call(src, dst, batch, shares)()
+            wanted = plan.layers if layers is None else layers
+            nbytes = plan.num_pages * src.geometry.page_bytes_for(len(wanted))  # what the batch moves
+            batch = native.descriptors(src, dst, plan, wanted)
+            shares = self.shares if nbytes >= native.SMALL_BYTES else 1  # small: this thread only
+            native.batch_call(src, dst, batch, shares, streaming=nbytes >= native.STREAM_MIN_BYTES)()
             return
         runs = None if layers is None else [(layer, 1) for layer in layers]
         dsts, srcs = copy_views(self._views[id(src)], self._views[id(dst)], plan, runs)

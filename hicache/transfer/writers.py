@@ -11,6 +11,18 @@ import numpy as np
 Done = Callable[[], bool]
 
 
+class _Flag:
+    """A done() that the blocking transfer's own thread sets (cheaper than an Event)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def __call__(self) -> bool:
+        return self.value
+
+
 class WriterRegistry:
     """Destination pages of unfinished transfers, per pool ("device_pages" or "host_pages").
 
@@ -43,14 +55,14 @@ class WriterRegistry:
     @contextmanager
     def claim(self, pool: str, pages: np.ndarray) -> Iterator[None]:
         """Hold `pages` of `pool` for the duration of the block (a blocking transfer)."""
-        finished = threading.Event()
+        finished = _Flag()
         with self._lock:
             wanted = self._check(pool, pages)
-            self._active.append((pool, wanted, finished.is_set))
+            self._active.append((pool, wanted, finished))
         try:
             yield
         finally:
-            finished.set()
+            finished.value = True
 
     @contextmanager
     def reserve(self, pool: str, pages: np.ndarray) -> Iterator[Callable[[Done], None]]:
