@@ -243,10 +243,11 @@ class TransferEngine:
         """Every layer in one C call, its shares on threads of the C code's own (no Python
         thread hand-offs), each publishing its layers into its word."""
         batch = native.layered(src, dst, plan, plan.layers)
-        shares = max(1, min(len(words), self.shares)) if batch.nbytes >= native.LAYERED_INLINE_BYTES else 1
+        nbytes = plan.num_pages * src.geometry.page_bytes_for(len(plan.layers))  # what the batch moves
+        shares = max(1, min(len(words), self.shares)) if nbytes >= native.LAYERED_INLINE_BYTES else 1
         for spare in range(shares, len(words)):  # words no share writes: done from the start
             words.publish(spare, len(plan.layers))
-        native.layered_call(src, dst, batch, words.addresses[:shares])()
+        native.layered_call(src, dst, batch, words.addresses[:shares], streaming=nbytes >= native.STREAM_MIN_BYTES)()
 
     # ---- execution -------------------------------------------------------------------------
     def _run(self, src: Pool, dst: Pool, plan: TransferPlan, *, load: bool, before: StreamHook | None = None) -> None:

@@ -93,6 +93,8 @@ class CpuTransferHandle(TransferHandle):
             return self._finished
 
     def wait(self, timeout: float | None = None) -> int:
+        if self._finished and self._error is None:  # set once, never cleared: no lock needed
+            return self.nbytes
         with self._cond:
             if not self._cond.wait_for(lambda: self._finished, timeout):
                 raise TimeoutError(f"transfer not finished after {timeout} s ({self._ready}/{len(self.layers)} layers)")
@@ -102,6 +104,8 @@ class CpuTransferHandle(TransferHandle):
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         need = self._position(layer) + 1
+        if self._finished and self._error is None:  # e.g. a small reload copied before it returned
+            return
         if self.words is not None:
             if not self.words.wait(need, timeout):
                 raise TimeoutError(f"layer {layer} not copied after {timeout} s")

@@ -230,8 +230,8 @@ def layered(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[i
     if plan.num_pages * src.geometry.page_bytes_for(count) < LAYERED_INLINE_BYTES:
         # small: the template's rows (page, buffer, layer) put in layer order, unsorted within
         descs = small_descriptors(src, dst, plan, layers)
-        order = np.argsort(np.arange(len(descs)) % count, kind="stable")
-        return LayeredBatch(descs[order], np.arange(1, count + 1, dtype=np.int64) * (len(descs) // count))
+        order, ends = _layer_order(len(descs), count)
+        return LayeredBatch(descs[order], ends)
     parts = chunk_parts(src, dst, plan, layer_arr)
     pos = np.broadcast_to(np.arange(layer_arr.size, dtype=np.int64), (plan.num_pages, layer_arr.size)).ravel()
     descs, where = np.concatenate(parts), np.concatenate([pos] * len(parts))  # each chunk's layer position
@@ -246,6 +246,16 @@ def layered(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[i
         where = where[first]
     ends = np.searchsorted(where, np.arange(1, layer_arr.size + 1), side="left").astype(np.int64)
     return LayeredBatch(np.ascontiguousarray(descs), ends, group)
+
+
+@lru_cache(maxsize=256)
+def _layer_order(rows: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The permutation that puts a small transfer's template rows (page, buffer, layer) in
+    layer order, and each layer's end: fixed for a given row and layer count."""
+    order = np.argsort(np.arange(rows) % count, kind="stable")
+    ends = np.arange(1, count + 1, dtype=np.int64) * (rows // count)
+    order.flags.writeable = ends.flags.writeable = False  # shared between calls
+    return order, ends
 
 
 def layered_shares(batch: LayeredBatch, shares: int) -> list[tuple[np.ndarray, np.ndarray]]:
