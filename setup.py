@@ -10,7 +10,11 @@ from setuptools import Extension, find_packages, setup
 # The CPU transfer path's batched copy (hicache/transfer/native.py). optional: without a C
 # compiler the install still succeeds and the engine falls back to torch copies.
 native = Extension(
-    "hicache.transfer._native", ["hicache/transfer/_native.c"], extra_compile_args=["-O2"], optional=True
+    "hicache.transfer._native",
+    ["hicache/transfer/_native.c", "hicache/transfer/_native_plan.c"],
+    depends=["hicache/transfer/_native.h"],
+    extra_compile_args=["-O2"],
+    optional=True,
 )
 
 setup(

@@ -1,4 +1,5 @@
-/* hicache.transfer._native: one call copies a whole batch of strided row blocks.
+/* hicache.transfer._native: one call copies a whole batch of strided row blocks (the
+ * descriptors of a large transfer are planned in _native_plan.c).
  *
  * A copy descriptor is six int64s: (dst, src, rows, row_bytes, dst_stride, src_stride),
  * byte offsets into two flat buffers. copy_shares() takes a private copy of a transfer's
@@ -15,8 +16,7 @@
  * the caches saves the read-for-ownership traffic that ordinary stores cost (each destination
  * line read before it is overwritten), and does not evict the caller's working set. Other CPUs use memcpy either way.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_native.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -38,12 +38,6 @@
 #else
 #define HICACHE_HAVE_STREAM 0
 #endif
-
-enum { DESC_FIELDS = 6 };
-
-typedef struct {
-    int64_t dst, src, rows, row_bytes, dst_stride, src_stride;
-} CopyDesc;
 
 #if HICACHE_HAVE_STREAM
 static void stream_row(char *d, const char *s, size_t n) {
@@ -440,6 +434,17 @@ static PyMethodDef methods[] = {
      "copy_layers for several shares at once: share 0 in this thread, each other one on a thread\n"
      "of its own, all without the GIL; shares is a sequence of (descriptors, layer_ends) and\n"
      "progress_addrs one word address (0: none) per share. Checks everything first."},
+    {"build_descriptors", build_descriptors, METH_VARARGS,
+     "build_descriptors(src_strides, dst_strides, page_size, src_pages, dst_pages, layers, by_layer, key_is_src)\n"
+     "-> (descriptors, positions)\n\n"
+     "One descriptor per (buffer, page, layer) chunk, stably sorted by (layer position if by_layer,\n"
+     "source offset if key_is_src else destination offset); int64 bytearrays (see _native_plan.c)."},
+    {"merge_descriptors", merge_descriptors, METH_VARARGS,
+     "merge_descriptors(descs, positions_or_None, layers, cap) -> (descriptors, layer_ends)\n\n"
+     "Join single-row copies that continue each other (cap <= 0: none); see _native_plan.c."},
+    {"split_descriptors", split_descriptors, METH_VARARGS,
+     "split_descriptors(descs, layer_ends, group, shares, per_layer) -> [(descriptors, layer_ends)]\n\n"
+     "Cut copies into shares of about equal bytes, between groups; see _native_plan.c."},
     {"publish", publish, METH_VARARGS,
      "publish(addr, value) -> None\n\nStore value into the 32-bit word at addr and wake its waiters."},
     {NULL, NULL, 0, NULL},

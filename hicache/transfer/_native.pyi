@@ -1,4 +1,4 @@
-# Stub for the C extension built from _native.c (see hicache/transfer/native.py).
+# Stub for the C extension built from _native.c and _native_plan.c (see hicache/transfer/native.py).
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,3 +17,18 @@ def copy_shares(
 ) -> None: ...
 def wait_progress(addr: int, target: int, timeout_s: float, /) -> int: ...
 def publish(addr: int, value: int, /) -> None: ...
+def build_descriptors(
+    src_strides: Any,
+    dst_strides: Any,
+    page_size: int,
+    src_pages: Any,
+    dst_pages: Any,
+    layers: Any,
+    by_layer: bool,
+    key_is_src: bool,
+    /,
+) -> tuple[bytearray, bytearray]: ...
+def merge_descriptors(descs: Any, positions: Any, layers: int, cap: int, /) -> tuple[bytearray, bytearray]: ...
+def split_descriptors(
+    descs: Any, layer_ends: Any, group: int, shares: int, per_layer: bool, /
+) -> list[tuple[bytearray, bytearray]]: ...

@@ -1,9 +1,10 @@
 """The compiled CPU copy path: a transfer as one array of row-block descriptors.
 
 Every (page, layer, buffer) chunk of a transfer becomes a descriptor (dst, src, rows,
-row_bytes, dst_stride, src_stride) computed from the two layouts' strides with numpy, in
-destination order; chunks adjacent on both sides (page runs) merge into copies of about
-MERGE_CAP bytes. The C extension (_native.c) copies a whole descriptor array per call with
+row_bytes, dst_stride, src_stride) computed from the two layouts' strides, in destination
+order; chunks adjacent on both sides (page runs) merge into copies of about MERGE_CAP bytes.
+For a large transfer this planning is C (_native_plan.c) that holds the GIL: numpy would
+hand the GIL to any other busy Python thread on every large operation. The C extension (_native.c) copies a whole descriptor array per call with
 the GIL released, cut into shares that run on threads of its own (batch_call), so the
 Python cost is per transfer, not per page, and no Python thread hands work to another. A
 layer-wise transfer is one such call too (layered, layered_call): each share publishes
@@ -141,69 +142,67 @@ def descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequen
     if plan.num_pages * src.geometry.page_bytes_for(len(layers)) < SMALL_BYTES:
         # a few chunks: sorting and merging cost more than they save
         return CopyBatch(small_descriptors(src, dst, plan, layers))
-    layer_arr = np.asarray(layers, dtype=np.int64)
-    parts = chunk_parts(src, dst, plan, layer_arr)
-    descs = np.concatenate(parts)
     if not all(s.chunk_contiguous for s in src.layout.strides):
         # Walk the source's pages in address order, row by row across their chunks: strided
         # reads are what the prefetcher punishes (measured: 0.45 -> 1.1 of copy_ on reload).
-        return CopyBatch(descs[np.argsort(descs[:, SRC], kind="stable")], len(parts) * layer_arr.size)
+        descs, _ = _built(src, dst, plan, layers, by_layer=False, key_is_src=True)
+        return CopyBatch(descs, len(src.layout.strides) * len(layers))
+    descs, _ = _built(src, dst, plan, layers, by_layer=False, key_is_src=False)
     if not all(d.chunk_contiguous for d in dst.layout.strides):
         # Strided writes of whole rows stream fine chunk by chunk (row-interleaving measured slower).
-        return CopyBatch(descs[np.argsort(descs[:, DST], kind="stable")])
-    return CopyBatch(merge(descs[np.argsort(descs[:, DST], kind="stable")]))
+        return CopyBatch(descs)
+    return CopyBatch(merge(descs))
 
 
-def merge(descs: np.ndarray, starts_layer: np.ndarray | None = None) -> np.ndarray:
-    """Join single-row descriptors that continue the previous one on both sides (never across
-    a True of `starts_layer`, where a layer's descriptors begin). A merged copy takes chunks
-    while its first MERGE_CAP bytes are not yet full, so it ends below MERGE_CAP plus one chunk."""
-    return _merge(descs, starts_layer)[0]
+def _built(
+    src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int], *, by_layer: bool, key_is_src: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """One descriptor per (buffer, page, layer) chunk, stably sorted by (layer position when
+    by_layer,) source or destination offset; and each one's layer position. Built in C with
+    the GIL held (numpy would hand the GIL off on every large operation)."""
+    assert _native is not None, "the hicache C extension is not built"
+    descs, positions = _native.build_descriptors(
+        _strides(src.layout), _strides(dst.layout), src.geometry.page_size,
+        np.ascontiguousarray(plan.src_pages, dtype=np.int64), np.ascontiguousarray(plan.dst_pages, dtype=np.int64),
+        np.asarray(layers, dtype=np.int64), by_layer, key_is_src,
+    )  # fmt: skip
+    return _descs(descs), np.frombuffer(positions, dtype=np.int64)
 
 
-def _merge(descs: np.ndarray, starts_layer: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """merge(), and the index of each output descriptor's first input."""
-    if len(descs) < 2:
-        return descs, np.arange(len(descs))
-    single = descs[:, ROWS] == 1
-    size = descs[:, ROW_BYTES]
-    follows = np.zeros(len(descs), dtype=bool)
-    follows[1:] = (
-        single[1:]
-        & single[:-1]
-        & (descs[1:, DST] == descs[:-1, DST] + size[:-1])
-        & (descs[1:, SRC] == descs[:-1, SRC] + size[:-1])
-    )
-    if starts_layer is not None:
-        follows &= ~starts_layer
-    run_id = np.cumsum(~follows)
-    ends = np.cumsum(size)
-    run_first = np.flatnonzero(~follows)
-    before = ends - size - (ends - size)[run_first][run_id - 1]  # bytes ahead of it in its run
-    piece = before // MERGE_CAP
-    starts = ~follows
-    starts[1:] |= piece[1:] != piece[:-1]
-    first = np.flatnonzero(starts)
-    out = descs[first].copy()
-    out[:, ROW_BYTES] = np.add.reduceat(size, first)
-    joined = out[:, ROWS] == 1
-    out[joined, DST_STRIDE] = out[joined, ROW_BYTES]
-    out[joined, SRC_STRIDE] = out[joined, ROW_BYTES]
-    return out, first
+@lru_cache(maxsize=64)
+def _strides(layout: Layout) -> np.ndarray:
+    """(base, page_stride, layer_stride, token_stride, row_bytes) of each buffer's chunks."""
+    rows = [(s.base, s.page_stride, s.layer_stride, s.token_stride, s.row_bytes) for s in layout.strides]
+    out = np.array(rows, dtype=np.int64).reshape(-1, 5)
+    out.flags.writeable = False
+    return out
+
+
+def _descs(data: bytearray) -> np.ndarray:
+    """An (n, 6) int64 view of descriptors the C code returned (no copy)."""
+    return np.frombuffer(data, dtype=np.int64).reshape(-1, 6)
+
+
+def merge(descs: np.ndarray) -> np.ndarray:
+    """Join single-row descriptors that continue the previous one on both sides. A merged
+    copy takes chunks while its first MERGE_CAP bytes are not yet full, so it ends below
+    MERGE_CAP plus one chunk (_native_plan.c)."""
+    assert _native is not None, "the hicache C extension is not built"
+    merged, _ = _native.merge_descriptors(np.ascontiguousarray(descs, dtype=np.int64), None, 1, MERGE_CAP)
+    return _descs(merged)
 
 
 def split(batch: CopyBatch, shares: int) -> list[np.ndarray]:
     """Cut the descriptors into at most `shares` consecutive parts of about equal bytes,
     cutting only between groups."""
-    descs, group = batch.descs, batch.group
-    if len(descs) == 0:
+    if len(batch.descs) == 0:
         return []
     if shares == 1:
-        return [descs]
-    ends = np.cumsum(descs[:, ROWS] * descs[:, ROW_BYTES])
-    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, shares) / shares, side="right")
-    cuts = np.unique(-(-cuts // group) * group)  # up to a group boundary
-    return [part for part in np.split(descs, cuts) if len(part)]
+        return [batch.descs]
+    assert _native is not None, "the hicache C extension is not built"
+    ends = np.array([len(batch.descs)], dtype=np.int64)
+    parts = _native.split_descriptors(np.ascontiguousarray(batch.descs), ends, batch.group, shares, False)
+    return [_descs(part) for part, _ in parts]
 
 
 @dataclass(frozen=True)
@@ -232,20 +231,13 @@ def layered(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[i
         descs = small_descriptors(src, dst, plan, layers)
         order, ends = _layer_order(len(descs), count)
         return LayeredBatch(descs[order], ends)
-    parts = chunk_parts(src, dst, plan, layer_arr)
-    pos = np.broadcast_to(np.arange(layer_arr.size, dtype=np.int64), (plan.num_pages, layer_arr.size)).ravel()
-    descs, where = np.concatenate(parts), np.concatenate([pos] * len(parts))  # each chunk's layer position
     strided_src = not all(s.chunk_contiguous for s in src.layout.strides)
-    order = np.lexsort((descs[:, SRC] if strided_src else descs[:, DST], where))
-    descs, where = descs[order], where[order]
-    group = len(parts) if strided_src else 1
-    if not strided_src and all(d.chunk_contiguous for d in dst.layout.strides):
-        starts_layer = np.zeros(len(where), dtype=bool)
-        starts_layer[1:] = where[1:] != where[:-1]
-        descs, first = _merge(descs, starts_layer)
-        where = where[first]
-    ends = np.searchsorted(where, np.arange(1, layer_arr.size + 1), side="left").astype(np.int64)
-    return LayeredBatch(np.ascontiguousarray(descs), ends, group)
+    descs, positions = _built(src, dst, plan, layers, by_layer=True, key_is_src=strided_src)
+    group = len(src.layout.strides) if strided_src else 1
+    merging = not strided_src and all(d.chunk_contiguous for d in dst.layout.strides)
+    assert _native is not None
+    merged, ends = _native.merge_descriptors(descs, positions, count, MERGE_CAP if merging else 0)
+    return LayeredBatch(_descs(merged), np.frombuffer(ends, dtype=np.int64), group)
 
 
 @lru_cache(maxsize=256)
@@ -263,28 +255,11 @@ def layered_shares(batch: LayeredBatch, shares: int) -> list[tuple[np.ndarray, n
     share t is (descriptors, ends) holding part t of each layer, in layer order."""
     if shares == 1:
         return [(batch.descs, batch.ends)]
-    sizes = batch.descs[:, ROWS] * batch.descs[:, ROW_BYTES]
-    pieces: list[list[np.ndarray]] = [[] for _ in range(shares)]
-    counts = np.zeros((shares, len(batch.ends)), dtype=np.int64)
-    start = 0
-    for i, end in enumerate(int(e) for e in batch.ends):
-        cum = np.cumsum(sizes[start:end])
-        total = int(cum[-1]) if end > start else 0
-        cuts: np.ndarray = (
-            np.searchsorted(cum, total * np.arange(1, shares) / shares, side="right")
-            if total
-            else np.zeros(shares - 1, dtype=np.int64)
-        )
-        cuts = np.minimum(-(-np.asarray(cuts, dtype=np.int64) // batch.group) * batch.group, end - start)
-        bounds = [0, *(int(c) for c in cuts), end - start]
-        for t in range(shares):
-            part = batch.descs[start + bounds[t] : start + max(bounds[t], bounds[t + 1])]
-            pieces[t].append(part)
-            counts[t, i] = len(part)
-        start = end
-    return [
-        (np.ascontiguousarray(np.concatenate(pieces[t])), np.cumsum(counts[t]).astype(np.int64)) for t in range(shares)
-    ]
+    assert _native is not None, "the hicache C extension is not built"
+    parts = _native.split_descriptors(
+        np.ascontiguousarray(batch.descs), np.ascontiguousarray(batch.ends), batch.group, shares, True
+    )
+    return [(_descs(d), np.frombuffer(e, dtype=np.int64)) for d, e in parts]
 
 
 def layered_call(
