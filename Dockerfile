@@ -28,7 +28,7 @@ COPY pyproject.toml setup.py README.md ./
 COPY hicache ./hicache
 COPY server ./server
 COPY proto ./proto
-# gcc for the build of the C copy extension (hicache/transfer/_native.c); removed afterwards
+# gcc for the build of the C copy extension (hicache/transfer/_native*.c); removed afterwards
 # unless KEEP_CC=1 (CUDA: Triton needs it at run time). Not pinned (DL3008): Debian drops old
 # versions of these packages from its archive, so a pin would break the build, and they only
 # compile. The pip install is this checkout itself (DL3013); its dependencies follow

@@ -16,7 +16,7 @@ OUT_DIR=${OUT:-$PWD/gpu-check-out}
 WHEELS=.whl
 LAYOUTS=(layer_first page_first page_first_direct)
 TESTS=(tests/gpu tests/data_plane/test_triton_ptx.py tests/data_plane/test_native_layers.py tests/data_plane/test_transfer.py)
-FILES=(setup.py hicache/transfer/_native.c benchmarks/transfer.py scripts/gpu_ipc_check.py scripts/gpu_check_report.py "${TESTS[@]}")
+FILES=(setup.py hicache/transfer/_native.c hicache/transfer/_native_plan.c hicache/transfer/_native.h benchmarks/transfer.py scripts/gpu_ipc_check.py scripts/gpu_check_report.py "${TESTS[@]}")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   for f in "${FILES[@]}"; do
