@@ -26,6 +26,17 @@ def mimo_config() -> dict[str, Any]:
     return load_config("mimo_v2_flash")
 
 
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Any]:
+    """A private redis-server on a loopback port, for one test (tier_helpers.RedisServer)."""
+    from tier_helpers import RedisServer  # it imports this module: not at the top
+
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
     """A 3-master, 3-replica Redis Cluster on loopback ports, shared by the session's tests

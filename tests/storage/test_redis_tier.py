@@ -1,7 +1,5 @@
-from collections.abc import Iterator
-
 import pytest
-from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, RedisServer, identity, key, payload
+from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, identity, key, payload
 
 from hicache.storage.redis import RedisTier
 
@@ -14,20 +12,12 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture
-def server(tmp_path) -> Iterator[RedisServer]:
-    s = RedisServer(tmp_path)
-    s.start()
-    yield s
-    s.stop()
-
-
 @pytest.mark.parametrize("name", GEOMETRY_NAMES)
-def test_flipped_byte_in_a_redis_value_is_a_miss(server, name):
+def test_flipped_byte_in_a_redis_value_is_a_miss(redis_server, name):
     g = GEOMETRIES[name]
-    tier = RedisTier(identity(g), server.url)
+    tier = RedisTier(identity(g), redis_server.url)
     assert tier.batch_set([(key(i), payload(g, i)) for i in range(3)]) == [True] * 3
-    raw = server.client()
+    raw = redis_server.client()
     value = bytearray(raw.get(tier.qualified(key(1))))
     value[len(value) // 2] ^= 0x10
     raw.set(tier.qualified(key(1)), bytes(value))
@@ -39,10 +29,10 @@ def test_flipped_byte_in_a_redis_value_is_a_miss(server, name):
 
 
 @pytest.mark.parametrize("name", GEOMETRY_NAMES)
-def test_two_sidecars_share_pages_two_namespaces_do_not(server, name):
+def test_two_sidecars_share_pages_two_namespaces_do_not(redis_server, name):
     g = GEOMETRIES[name]
-    a, b = RedisTier(identity(g, "ns1"), server.url), RedisTier(identity(g, "ns1"), server.url)
-    c = RedisTier(identity(g, "ns2"), server.url)
+    a, b = RedisTier(identity(g, "ns1"), redis_server.url), RedisTier(identity(g, "ns1"), redis_server.url)
+    c = RedisTier(identity(g, "ns2"), redis_server.url)
     assert a.batch_set([(key(i), payload(g, i)) for i in range(4)]) == [True] * 4
     assert b.batch_exists([key(i) for i in range(6)]) == 4
     assert [bytes(x) for x in b.batch_get([key(3), key(0)]) if x is not None] == [payload(g, 3), payload(g, 0)]
@@ -50,20 +40,20 @@ def test_two_sidecars_share_pages_two_namespaces_do_not(server, name):
     assert c.set(key(0), payload(g, 9)) and bytes(a.get(key(0))) == payload(g, 0)
 
 
-def test_ttl_expires_pages(server):
+def test_ttl_expires_pages(redis_server):
     g = GEOMETRIES["deepseek_mla"]
-    tier = RedisTier(identity(g), server.url, ttl_s=100)
+    tier = RedisTier(identity(g), redis_server.url, ttl_s=100)
     assert tier.set(key(1), payload(g, 1))
-    assert 0 < server.client().pttl(tier.qualified(key(1))) <= 100_000
+    assert 0 < redis_server.client().pttl(tier.qualified(key(1))) <= 100_000
 
 
 @pytest.mark.parametrize("name", GEOMETRY_NAMES)
-def test_redis_stopped_mid_run_then_restarted(server, name):
+def test_redis_stopped_mid_run_then_restarted(redis_server, name):
     g = GEOMETRIES[name]
     clock = FakeClock()
-    tier = RedisTier(identity(g), server.url, timeout_s=2, backoff_initial_s=1, backoff_max_s=4, clock=clock)
+    tier = RedisTier(identity(g), redis_server.url, timeout_s=2, backoff_initial_s=1, backoff_max_s=4, clock=clock)
     assert tier.set(key(0), payload(g, 0)) and tier.health().healthy
-    server.stop()
+    redis_server.stop()
     # down: misses and failures, no exception, unhealthy in health() and stats()
     assert tier.get(key(0)) is None
     assert not tier.health().healthy and not tier.stats().healthy
@@ -73,7 +63,7 @@ def test_redis_stopped_mid_run_then_restarted(server, name):
     clock.now += 1.5  # past the first backoff: the next call tries again, fails, backs off longer
     assert tier.get(key(0)) is None and tier.stats().errors == errors + 1
     assert "retry in 2.00s" in tier.health().detail
-    server.start()  # same port, empty (no persistence)
+    redis_server.start()  # same port, empty (no persistence)
     assert not tier.health().healthy  # still backing off
     clock.now += 2.5
     assert tier.health().healthy  # the probe reconnects
@@ -90,9 +80,9 @@ def test_unreachable_at_start_does_not_raise(tmp_path):
     assert not tier.health().healthy and "unreachable" in tier.health().detail
 
 
-def test_batch_read_receives_pages_into_one_reused_buffer_and_stops_at_the_first_miss(server):
+def test_batch_read_receives_pages_into_one_reused_buffer_and_stops_at_the_first_miss(redis_server):
     g = GEOMETRIES["mimo_kv"]
-    tier = RedisTier(identity(g), server.url)
+    tier = RedisTier(identity(g), redis_server.url)
     assert tier.batch_set([(key(i), payload(g, i)) for i in range(4)]) == [True] * 4
     seen: list[tuple[int, bytes, object]] = []
 
@@ -104,7 +94,7 @@ def test_batch_read_receives_pages_into_one_reused_buffer_and_stops_at_the_first
     assert tier.batch_read([key(2), key(3)], sink) == 2
     assert bytes(seen[-1][1]) == payload(g, 3)
     assert len({id(obj) for _, _, obj in seen}) == 1  # every page landed in the same buffer
-    raw = server.client()
+    raw = redis_server.client()
     value = bytearray(raw.get(tier.qualified(key(3))))
     value[-1] ^= 1
     raw.set(tier.qualified(key(3)), bytes(value))

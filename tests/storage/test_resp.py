@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 from redis import exceptions as rx
-from tier_helpers import GEOMETRIES, RedisServer, free_port, identity, key, payload
+from tier_helpers import GEOMETRIES, free_port, identity, key, payload
 
 from hicache.storage.redis import RedisTier
 from hicache.storage.resp import SEND_APART, Parts, Reader, Wires, error_reply, pack
@@ -125,17 +125,9 @@ def test_unknown_reply_type_and_a_closed_connection(pair):
         Reader(pair[0]).reply()
 
 
-@pytest.fixture
-def server(tmp_path) -> Iterator[RedisServer]:
-    s = RedisServer(tmp_path)
-    s.start()
-    yield s
-    s.stop()
-
-
 @pytest.mark.parametrize("protocol", [2, 3])
-def test_wires_against_a_real_server(server, protocol):
-    client = redis.Redis.from_url(server.url, protocol=protocol)
+def test_wires_against_a_real_server(redis_server, protocol):
+    client = redis.Redis.from_url(redis_server.url, protocol=protocol)
     wires = Wires(client)
     value = bytes(range(256)) * 400
     target = bytearray(len(value) + 2)
@@ -160,14 +152,14 @@ def test_wires_against_a_real_server(server, protocol):
     client.close()
 
 
-def test_a_dead_server_raises_connection_error_then_a_new_connection_works(server):
-    wires = Wires(redis.Redis.from_url(server.url, socket_timeout=2))
+def test_a_dead_server_raises_connection_error_then_a_new_connection_works(redis_server):
+    wires = Wires(redis.Redis.from_url(redis_server.url, socket_timeout=2))
     assert wires.execute([("SET", b"a", b"1")]) == [b"OK"]
-    server.stop()
+    redis_server.stop()
     with pytest.raises(redis.ConnectionError):
         wires.execute([("GET", b"a")])
     assert wires._idle == []  # the broken connection was closed, not kept
-    server.start()
+    redis_server.start()
     assert wires.execute([("SET", b"a", b"2"), ("GET", b"a")])[0] == b"OK"
     wires.close()
 
