@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -187,7 +187,9 @@ class ClusterLink:
 
         if len(jobs) == 1:
             return one(*jobs[0])
-        return any(f.result() for f in [self._senders.submit(one, node, idx) for node, idx in jobs])
+        futures = [self._senders.submit(one, node, idx) for node, idx in jobs]
+        wait(futures)  # every node done before returning: replies land in the caller's buffers
+        return any([f.result() for f in futures])
 
     def _wires(self, client: Any, node: Any) -> Wires:
         """The connections to `node`, made by its redis-py client (remade if that changed)."""

@@ -201,8 +201,9 @@ PyObject *merge_descriptors(PyObject *self, PyObject *args) {
         const CopyDesc *c = &in[i], *prev = i > 0 ? &in[i - 1] : NULL;
         int64_t here = have_pos ? pos[i] : 0;
         int follows = cap > 0 && prev != NULL && c->rows == 1 && prev->rows == 1 && (!have_pos || here == pos[i - 1]) &&
-                      c->dst == prev->dst + prev->row_bytes && c->src == prev->src + prev->row_bytes;
-        run_before = follows ? run_before + prev->row_bytes : 0;
+                      (uint64_t)c->dst == (uint64_t)prev->dst + (uint64_t)prev->row_bytes &&
+                      (uint64_t)c->src == (uint64_t)prev->src + (uint64_t)prev->row_bytes;
+        run_before = follows ? (int64_t)((uint64_t)run_before + (uint64_t)prev->row_bytes) : 0;
         int64_t piece = cap > 0 ? run_before / cap : 0;
         if (follows && piece == prev_piece) {
             ((CopyDesc *)out)[m - 1].row_bytes += c->row_bytes;
@@ -316,6 +317,11 @@ PyObject *split_descriptors(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    if (ends[layers - 1] != n) {
+        PyErr_Format(PyExc_ValueError, "layer_ends end at %lld, not at the %zd descriptors", (long long)ends[layers - 1],
+                     n);
+        goto done;
+    }
     cum = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
     bounds = PyMem_Malloc((size_t)(shares + 1) * (size_t)layers * sizeof(Py_ssize_t));
     starts = PyMem_Malloc((size_t)layers * sizeof(Py_ssize_t));
@@ -331,7 +337,13 @@ PyObject *split_descriptors(PyObject *self, PyObject *args) {
         Py_ssize_t *b = bounds + l * (shares + 1);
         int64_t total = 0;
         for (Py_ssize_t j = 0; j < m; j++) {
-            total += descs[first + j].rows * descs[first + j].row_bytes;
+            int64_t bytes;
+            if (descs[first + j].rows < 0 || descs[first + j].row_bytes < 0 ||
+                __builtin_mul_overflow(descs[first + j].rows, descs[first + j].row_bytes, &bytes) ||
+                __builtin_add_overflow(total, bytes, &total)) {
+                PyErr_Format(PyExc_ValueError, "descriptor %zd has negative or too many bytes", first + j);
+                goto done;
+            }
             cum[j] = total;
         }
         b[0] = 0;

@@ -125,6 +125,12 @@ def test_bad_arguments_are_refused_naming_them():
         C.split_descriptors(descs, ends, 0, 2, False)
     with pytest.raises(ValueError, match=r"layer_ends\[1\] = 2 is out of order"):
         C.split_descriptors(descs, np.array([3, 2], dtype=np.int64), 1, 2, True)
+    with pytest.raises(ValueError, match="layer_ends end at 2, not at the 3 descriptors"):
+        C.split_descriptors(descs, np.array([2], dtype=np.int64), 1, 2, False)
+    negative = descs.copy()
+    negative[1, native.ROW_BYTES] = -1
+    with pytest.raises(ValueError, match="descriptor 1 has negative or too many bytes"):
+        C.split_descriptors(negative, ends, 1, 2, False)
     with pytest.raises(ValueError, match="descriptors must be a C-contiguous int64 array of shape"):
         C.split_descriptors(np.zeros((3, 5), dtype=np.int64), ends, 1, 2, False)
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -211,3 +213,39 @@ def test_bad_cluster_urls_are_refused_naming_them(url: object, message: str) -> 
 def test_cluster_must_be_a_boolean() -> None:
     with pytest.raises(ValueError, match="cluster must be true or false, got 'yes'"):
         make_tier("redis", {"url": "redis://127.0.0.1:7000", "cluster": "yes"}, identity(G))
+
+
+def test_a_batch_waits_for_every_node_when_one_fails_at_once(
+    redis_cluster: LocalRedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replies land in the caller's buffers: a call that returned while a slower node was
+    still receiving would let the caller reuse them under it."""
+    from redis.crc import key_slot
+
+    tier = fast_tier(redis_cluster.url)
+    pages = [(key(i), payload(G, i)) for i in range(60)]
+    assert tier.batch_set(pages) == [True] * 60
+    link: Any = tier._link
+    failing = link._cluster().nodes_manager.get_node_from_slot(key_slot(tier.qualified(pages[0][0]))).name
+    real = link._pipeline
+
+    def pipeline(client: Any, node: Any, commands: list[Any], asking: bool, into: Any = None) -> list[Any]:
+        if node.name == failing:  # answers at once: "down"
+            return [redis.ConnectionError("refused")] * len(commands)
+        time.sleep(0.3)  # the others take a while
+        return real(client, node, commands, asking, into)
+
+    monkeypatch.setattr(link, "_pipeline", pipeline)
+    read: dict[int, bytes] = {}
+    got = tier.batch_get([k for k, _ in pages])
+    tier.batch_read([k for k, _ in pages[1:]], lambda i, data: read.__setitem__(i, bytes(data)))
+    monkeypatch.undo()
+    manager = link._cluster().nodes_manager
+    slots = [manager.get_node_from_slot(key_slot(tier.qualified(k))).name for k, _ in pages]
+    healthy = [i for i, name in enumerate(slots) if name != failing]
+    assert healthy and all(got[i] is not None and bytes(got[i]) == pages[i][1] for i in healthy)
+    assert all(got[i] is None for i in range(60) if slots[i] == failing)
+    first_miss = next(i for i in range(1, 60) if slots[i] == failing) - 1
+    assert [read[i] for i in range(first_miss)] == [p for _, p in pages[1 : 1 + first_miss]]
+    tier.close()
+    redis_cluster.flush()
