@@ -16,6 +16,7 @@ slow connection raises redis.ConnectionError or redis.TimeoutError and is closed
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -82,7 +83,12 @@ def error_reply(message: str) -> Exception:
         "TRYAGAIN": (rx.TryAgainError, message),
         "OOM": (rx.OutOfMemoryError, message),
         "NOPERM": (rx.NoPermissionError, message),
+        "NOAUTH": (rx.AuthenticationError, message),
+        "WRONGPASS": (rx.AuthenticationError, message),
+        "MASTERDOWN": (rx.MasterDownError, message),
     }
+    if message.startswith("ERR max number of clients reached"):
+        return rx.MaxClientsReachedError(message)
     cls, text = by_code.get(code, (rx.ResponseError, message))
     return cls(text)
 
@@ -98,39 +104,63 @@ class Reader:
         self._start = self._end = 0
 
     def reply(self, into: Callable[[int], memoryview | None] | None = None) -> Any:
-        line = self._line()
-        kind, rest = line[:1], line[1:]
+        while True:
+            line = self._line()
+            kind, rest = line[:1], line[1:]
+            if kind not in (b">", b"|"):
+                break
+            # RESP3 out of band: a push message (redis-py's maintenance notices), or the
+            # attributes of the reply that follows; read and dropped
+            for _ in range(_count(rest) * (2 if kind == b"|" else 1)):
+                self.reply()
         if kind == b"$":
-            size = int(rest)
+            size = _count(rest)
             if size < 0:
                 return None
             dest = into(size) if into is not None else None
-            if dest is None or dest.nbytes != size:
+            if dest is not None:
+                dest = dest.cast("B") if dest.format != "B" else dest
+            if dest is None or dest.nbytes != size or dest.readonly:
                 dest = memoryview(bytearray(size))
             self._exact(dest)
-            self._exact(memoryview(bytearray(2)))  # the bulk string's CRLF
+            self._crlf()
             return dest
         if kind == b"+":
             return rest
         if kind == b"-":
             return error_reply(rest.decode(errors="replace"))
         if kind in (b":", b"("):
-            return int(rest)
+            return _count(rest)
         if kind == b"_":  # RESP3 (a connection that said HELLO 3): null
             return None
         if kind == b"#":
             return rest == b"t"
         if kind == b",":
-            return float(rest)
+            try:
+                return float(rest)
+            except ValueError:
+                raise _protocol_error(f"bad double {rest[:40]!r}") from None
         if kind in (b"!", b"="):  # blob error, verbatim string ("txt:..."): length-prefixed
-            body = memoryview(bytearray(int(rest) + 2))
+            body = memoryview(bytearray(max(0, _count(rest))))
             self._exact(body)
-            text = bytes(body[:-2])
+            self._crlf()
+            text = bytes(body)
             return error_reply(text.decode(errors="replace")) if kind == b"!" else text[4:]
         if kind in (b"*", b"~", b"%"):  # array, set, map (as a flat list of keys and values)
-            count = int(rest) * (2 if kind == b"%" else 1)
-            return None if count < 0 else [self.reply() for _ in range(count)]
+            count = _count(rest)
+            return None if count < 0 else [self.reply() for _ in range(count * (2 if kind == b"%" else 1))]
         raise _protocol_error(f"unexpected reply type {line[:40]!r}")
+
+    def _crlf(self) -> None:
+        end = memoryview(bytearray(2))
+        self._exact(end)
+        if end != b"\r\n":
+            raise _protocol_error(f"a bulk string ends with {bytes(end)!r}, not CRLF")
+
+    @property
+    def pending(self) -> int:
+        """Bytes read from the socket and not yet parsed."""
+        return self._end - self._start
 
     def _line(self) -> bytes:
         while True:
@@ -164,6 +194,14 @@ class Reader:
             have += got
 
 
+def _count(text: bytes) -> int:
+    """A reply's length or integer; InvalidResponse for anything else."""
+    try:
+        return int(text)
+    except ValueError:
+        raise _protocol_error(f"bad number {text[:40]!r}") from None
+
+
 def _protocol_error(detail: str) -> Exception:
     from redis.exceptions import InvalidResponse
 
@@ -183,23 +221,41 @@ class _Wire:
             raise redis.ConnectionError(f"redis-py's {type(conn).__name__} gave no socket to drive")
         self.conn, self.sock, self.reader = conn, sock, Reader(sock)
 
+    def usable(self) -> bool:
+        """False when the server has closed the connection (or sent something unasked for)
+        while it sat idle: it is then readable."""
+        import ssl
+
+        if self.reader.pending or (isinstance(self.sock, ssl.SSLSocket) and self.sock.pending()):
+            return False
+        poller = select.poll()  # not select(): no limit on the descriptor's number
+        poller.register(self.sock, select.POLLIN | select.POLLPRI)
+        try:
+            return not poller.poll(0)
+        except OSError:
+            return False
+
     def close(self) -> None:
         self.conn.disconnect()
 
 
 class Wires:
     """Connections to the server of a redis-py client (redis.Redis), reused between calls,
-    one per concurrent caller. Thread-safe."""
+    one per concurrent caller. They are made with the client pool's connection class and
+    arguments, outside its count (max_connections does not apply). Thread-safe."""
 
     def __init__(self, client: Any):
         self.client = client
         self._idle: list[_Wire] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def execute(self, commands: Sequence[Sequence[Any]], into: Into | None = None) -> list[Any]:
         """Send `commands` as one pipeline and return their replies in order; a bulk reply to
-        command i of length n goes into into(i, n) when that is a buffer of n bytes.
-        Raises redis.ConnectionError / TimeoutError (the connection is then closed)."""
+        command i of length n goes into into(i, n) when that is a writable buffer of n bytes.
+        Raises redis.ConnectionError / TimeoutError, also for an error reply that says the
+        server cannot serve (LOADING, NOAUTH, ...), as redis-py does; the connection is then
+        closed. Other error replies are that command's reply."""
         import redis
 
         wire = self._take()
@@ -214,19 +270,33 @@ class Wires:
             if isinstance(exc, OSError):
                 raise redis.ConnectionError(f"redis: {type(exc).__name__}: {exc}") from exc
             raise
+        refused = next((r for r in replies if isinstance(r, redis.ConnectionError)), None)
+        if refused is not None:
+            wire.close()
+            raise refused
         with self._lock:
-            self._idle.append(wire)
+            keep = not self._closed
+            if keep:
+                self._idle.append(wire)
+        if not keep:
+            wire.close()
         return replies
 
     def _take(self) -> _Wire:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return _Wire(self.client.connection_pool.make_connection())
+        while True:
+            with self._lock:
+                wire = self._idle.pop() if self._idle else None
+            if wire is None:
+                pool = self.client.connection_pool
+                return _Wire(pool.connection_class(**pool.connection_kwargs))
+            if wire.usable():
+                return wire
+            wire.close()  # closed by the server while idle (a restart, a timeout): a new one
 
     def close(self) -> None:
+        """Close the idle connections, and each busy one when its call ends."""
         with self._lock:
-            idle, self._idle = self._idle, []
+            idle, self._idle, self._closed = self._idle, [], True
         for wire in idle:
             wire.close()
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from helpers import eventually
 from redis import exceptions as rx
 from tier_helpers import GEOMETRIES, free_port, identity, key, payload
 
@@ -164,29 +165,90 @@ def test_a_dead_server_raises_connection_error_then_a_new_connection_works(redis
     wires.close()
 
 
-def test_a_server_that_stops_answering_raises_timeout_error(tmp_path):
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    port = listener.getsockname()[1]
-    accepted: list[socket.socket] = []
+class FakeServer:
+    """A loopback server that answers redis-py's handshake (+OK to each command), then
+    `answer` (bytes) to the first command that holds `trigger`, or nothing when answer is None."""
 
-    def serve() -> None:  # answers redis-py's handshake (+OK to each command), then not the GET
-        conn, _ = listener.accept()
-        accepted.append(conn)
-        while b"GET" not in (data := conn.recv(65536)) and data:
+    def __init__(self, trigger: bytes, answer: bytes | None):
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.port = self.listener.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, args=(trigger, answer), daemon=True)
+        self.thread.start()
+
+    def _serve(self, trigger: bytes, answer: bytes | None) -> None:
+        conn, _ = self.listener.accept()
+        self.accepted.append(conn)
+        while trigger not in (data := conn.recv(65536)) and data:
             conn.sendall(b"+OK\r\n" * data.count(b"\r\n*") + b"+OK\r\n" * data.startswith(b"*"))
+        if answer is not None:
+            conn.sendall(answer)
 
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    wires = Wires(redis.Redis(port=port, socket_timeout=0.3, protocol=2))
+    def close(self) -> None:
+        self.thread.join(10)
+        for s in self.accepted:
+            s.close()
+        self.listener.close()
+
+
+def test_a_server_that_stops_answering_raises_timeout_error():
+    server = FakeServer(b"GET", None)
+    wires = Wires(redis.Redis(port=server.port, socket_timeout=0.3, protocol=2))
     with pytest.raises(redis.TimeoutError):
         wires.execute([("GET", b"a")])
     assert wires._idle == []
-    t.join()
-    for s in accepted:
-        s.close()
-    listener.close()
+    server.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (b"-LOADING Redis is loading the dataset in memory\r\n", rx.BusyLoadingError),  # the server cannot serve
+        (b"-NOAUTH Authentication required.\r\n", rx.AuthenticationError),
+        (b"$3\r\nabcXY", rx.InvalidResponse),  # no CRLF after the bulk string
+        (b":12a\r\n", rx.InvalidResponse),  # not a number
+    ],
+)
+def test_replies_that_fail_the_whole_batch_close_the_connection(answer, error):
+    server = FakeServer(b"GET", b"+OK\r\n" + answer)
+    wires = Wires(redis.Redis(port=server.port, socket_timeout=2, protocol=2))
+    with pytest.raises(error):
+        wires.execute([("SET", b"a", b"1"), ("GET", b"a")])
+    assert wires._idle == []  # not reused: what follows on it is unknown
+    server.close()
+
+
+def test_resp3_push_messages_and_attributes_are_skipped(pair):
+    pair[1].sendall(b">2\r\n+invalidate\r\n*1\r\n$1\r\nk\r\n+OK\r\n|1\r\n+ttl\r\n:3\r\n:5\r\n")
+    reader = Reader(pair[0])
+    assert reader.reply() == b"OK" and reader.reply() == 5
+
+
+def test_an_idle_connection_the_server_closed_is_replaced_not_failed(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    wires = Wires(client)
+    assert wires.execute([("CLIENT", "SETNAME", "hicache-wire")]) == [b"OK"]
+    assert client.client_kill_filter(_type="normal", skipme=True) >= 1  # what a restart or an idle timeout does
+    eventually(lambda: "hicache-wire" not in [c["name"] for c in client.client_list()])
+    assert wires.execute([("SET", b"a", b"1"), ("GET", b"a")])[0] == b"OK"  # a new connection, no error
+    wires.close()
+    client.close()
+
+
+def test_a_close_during_a_call_closes_that_connection_when_the_call_ends(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    wires = Wires(client)
+    wires.execute([("SET", b"a", b"xyz")])
+
+    def close_meanwhile(i: int, size: int) -> None:
+        wires.close()
+
+    got = wires.execute([("CLIENT", "SETNAME", "busy"), ("GET", b"a")], close_meanwhile)
+    assert bytes(got[1]) == b"xyz" and wires._idle == []
+    eventually(lambda: "busy" not in [c["name"] for c in client.client_list()])  # closed, not kept
+    client.close()
 
 
 def spawn_redis(tmp_path, url: str, args: list[str]) -> subprocess.Popen[bytes]:
