@@ -1,4 +1,4 @@
-"""The Redis tier's data path on the wire (RESP2), without redis-py's pipeline.
+"""The Redis tier's data path on the wire (RESP2 and RESP3), without redis-py's pipeline.
 
 redis-py joins a stored page's header and payload into one value before sending it, and
 reads every reply into new bytes through its parser: the page is copied twice more than it
@@ -6,12 +6,13 @@ must be, and a 1.5 MB GET is parsed at about 0.5 GB/s. Here a command's value ma
 `Parts` (several buffers sent as one bulk string, each large one as it is), and a bulk reply
 is received straight into a buffer the caller chooses (`into`), with no copy in between.
 
-Connections are made by a redis-py client's pool, so the URL's password, database, TLS,
-protocol (RESP2 or 3) and timeouts apply as before; once connected, this module drives the
-socket. Replies keep redis-py's types: b"OK" for a status, int, a memoryview for a bulk
-string, None for nil,
-and the redis-py exception for an error reply (MOVED, ASK, WRONGTYPE, ...). A broken or
-slow connection raises redis.ConnectionError or redis.TimeoutError and is closed.
+Connections are made with a redis-py client's connection class and arguments, so the URL's
+password, database, TLS, protocol (RESP2 or 3) and timeouts apply as before; once
+connected, this module drives the socket. Replies keep redis-py's types: b"OK" for a
+status, int, a memoryview for a bulk string, None for nil, and the redis-py exception for an
+error reply (MOVED, ASK, WRONGTYPE, ...). A broken or slow connection raises
+redis.ConnectionError or redis.TimeoutError and is closed; so does an error reply that says
+the server cannot serve (LOADING, NOAUTH, ...).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def error_reply(message: str) -> Exception:
 
 
 class Reader:
-    """RESP2 replies from a socket. Bulk strings are received into the buffer `into` names
+    """RESP2 and RESP3 replies from a socket. Bulk strings are received into the buffer `into` names
     (or a new one), the part already read ahead copied first, the rest by recv_into."""
 
     def __init__(self, sock: socket.socket):
