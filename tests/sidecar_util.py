@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from conftest import load_config
@@ -96,6 +97,15 @@ def register(svc: HiCacheService, dev, namespace: str = "") -> PoolInfo:  # type
 def keys(n: int, seed: int = 0, namespace: str = "") -> list[bytes]:
     tokens = torch.randint(0, 50000, (n * 4,), generator=torch.Generator().manual_seed(seed))
     return page_keys(tokens.numpy(), 4, namespace)
+
+
+def start_in_process(sockdir: str, token: str | None = None, **service: object) -> tuple[Any, str]:
+    """A sidecar's gRPC server in this process on sockdir/hc.sock, expecting MiMo's geometries
+    (with `service` overriding ServiceConfig fields): (server, address)."""
+    from server import ServerConfig, create_server
+
+    svc = ServiceConfig(**{"expected": mimo_geometries(), **service})  # type: ignore[arg-type]
+    return create_server(ServerConfig(socket=os.path.join(sockdir, "hc.sock"), token=token, service=svc))
 
 
 def start_sidecar(

@@ -15,7 +15,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from sidecar_util import CONFIG_PATH, SecretStub, filled_device, keys_for, mimo_full, mimo_geometries, shm_exists
+from sidecar_util import CONFIG_PATH, SecretStub, filled_device, keys_for, mimo_full, shm_exists
+from sidecar_util import start_in_process as start
 
 from hicache.api import KeyStatus, Tier
 from hicache.client import HiCacheClient, HiCacheRpcError
@@ -23,7 +24,6 @@ from hicache.geometry import KVGeometry
 from hicache.rpc import convert
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
-from hicache.sidecar.config import ServiceConfig
 from server import HiCacheServer, ServerConfig, create_server, parse_args
 
 Code = grpc.StatusCode
@@ -34,11 +34,6 @@ def sockdir() -> Iterator[str]:
     d = tempfile.mkdtemp(prefix="hc")  # short: a socket path must fit in 108 bytes
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-def start(sockdir: str, token: str | None = None, **service: object) -> tuple[HiCacheServer, str]:
-    svc = ServiceConfig(**{"expected": mimo_geometries(), **service})  # type: ignore[arg-type]
-    return create_server(ServerConfig(socket=os.path.join(sockdir, "hc.sock"), token=token, service=svc))
 
 
 @pytest.fixture

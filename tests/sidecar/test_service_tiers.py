@@ -207,7 +207,7 @@ def test_page_size_matches_helpers():
 
 def test_prefetch_and_watch_over_grpc(tmp_path):
     from sidecar_util import keys_for
-    from test_server import start
+    from sidecar_util import start_in_process as start
 
     from hicache.client import HiCacheClient
 
