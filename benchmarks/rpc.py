@@ -19,6 +19,10 @@ keys stay resident for the Lookups.
                    reload_layerwise_over_echo
   layer_waits      the layer waits alone (after the Reload call returned), over one echo call in
                    layer_waits_over_echo: what an engine pays per forward for the layer signals
+  reload_16, reload_layerwise_16, reload_layerwise_16_first_layer  a plain and a layer-wise
+                   Reload of 16 resident pages (23.6 MB, copied after the answer), the latter
+                   to its last and to its first layer; over the plain one in
+                   layerwise_over_plain_mid and first_layer_over_plain_mid
 """
 
 from __future__ import annotations
@@ -109,6 +113,34 @@ def layer_signals(client: HiCacheClient, sock: str, key: bytes, layers: int, ite
     }
 
 
+MID_PAGES = 16  # 23.6 MB: above the size the sidecar copies before answering (4 MB)
+
+
+def layerwise_reload(client: HiCacheClient, keys: list[bytes], layers: int, iters: int) -> dict[str, Any]:
+    """A layer-wise Reload of MID_PAGES pages against a plain one of the same pages: the time
+    until the first layer is usable (the call and wait_layer(0)) and until all are."""
+    pages = list(range(len(keys)))
+    plain = timed(lambda i: client.reload(keys, pages).wait(), iters)
+    first, whole = [], []
+    for _ in range(iters + 3):
+        t0 = time.perf_counter()
+        h = client.reload(keys, pages, layerwise=True)
+        h.wait_layer(0)
+        first.append(time.perf_counter() - t0)
+        for layer in range(1, layers):
+            h.wait_layer(layer)
+        h.wait()
+        whole.append(time.perf_counter() - t0)
+    first, whole = first[3:], whole[3:]  # as timed(): the first calls warm up
+    return {
+        f"reload_{len(keys)}": percentiles(plain),
+        f"reload_layerwise_{len(keys)}": percentiles(whole),
+        f"reload_layerwise_{len(keys)}_first_layer": percentiles(first),
+        "layerwise_over_plain_mid": statistics.median(whole) / statistics.median(plain),
+        "first_layer_over_plain_mid": statistics.median(first) / statistics.median(plain),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     g = model_geometries(load_config(None), tp_size=1, page_size=args.page_size, dtype="bfloat16")["full"]
@@ -147,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         rows["lookup_1000"] = percentiles(timed(lambda i: client.lookup(resident), args.iters))
         rows["offload_1"] = percentiles(timed(lambda i: client.offload(fresh(1), [0]), args.iters))
         rows.update(layer_signals(client, sock, resident[0], g.layer_num, args.iters))
+        rows.update(layerwise_reload(client, resident[:MID_PAGES], g.layer_num, args.iters))
         big = list(range(args.pages))
         big_samples = timed(lambda i: client.offload(fresh(args.pages), big), args.big_iters)
         rows[f"offload_{args.pages}"] = percentiles(big_samples)
@@ -190,12 +223,19 @@ def main(argv: list[str] | None = None) -> int:
         "offload_1",
         "reload_layerwise_1",
         "layer_waits",
+        f"reload_{MID_PAGES}",
+        f"reload_layerwise_{MID_PAGES}",
+        f"reload_layerwise_{MID_PAGES}_first_layer",
         f"offload_{args.pages}",
     ):
         print(f"  {name:18} p50 {rows[name]['p50_ms']:9.3f} ms   p99 {rows[name]['p99_ms']:9.3f} ms")
     print(
         f"  layer-wise 1-page Reload / echo {rows['reload_layerwise_over_echo']:.2f}; "
         f"{rows['layer_waits']['layers']} layer waits / echo {rows['layer_waits_over_echo']:.2f}"
+    )
+    print(
+        f"  {MID_PAGES}-page Reload, layer-wise over plain {rows['layerwise_over_plain_mid']:.2f}; "
+        f"its first layer usable after {rows['first_layer_over_plain_mid']:.2f} of the plain one"
     )
     b = rows["offload_bandwidth"]
     print(

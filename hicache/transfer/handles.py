@@ -89,8 +89,17 @@ class CpuTransferHandle(TransferHandle):
             return self._ready
 
     def done(self) -> bool:
+        """True once every layer is in place (or the copy failed), as the progress words or
+        the published layers say: the copy thread may not have called finish() yet, but it
+        writes no page any more (so another transfer may write them: the single-writer rule;
+        a process that waited on the words must not be refused the same pages right after)."""
+        if self._finished:
+            return True
+        if self.words is not None:
+            done = self.words.done()
+            return done == FAILED or done >= len(self.layers)
         with self._cond:
-            return self._finished
+            return self._finished or self._ready >= len(self.layers)
 
     def wait(self, timeout: float | None = None) -> int:
         if self._finished and self._error is None:  # set once, never cleared: no lock needed
