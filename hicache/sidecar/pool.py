@@ -233,7 +233,14 @@ class RegisteredPool:
         if taken is None:
             return self._start_worker(op, statuses, nbytes, args, None)
         slot, generation, words = taken
-        result = self._start_worker(op, statuses, nbytes, args, lambda: progress.release(slot), words=words)
+        _, keys, host_pages, dev_pages = args
+        handle = self._start_copy(
+            op,
+            keys,
+            lambda: self.engine.reload_async(host_pages, dev_pages, progress=words),
+            lambda: progress.release(slot),
+        )  # started here, before the answer: no worker thread start ahead of the first layer
+        result = self._start_worker(op, statuses, nbytes, args, lambda: progress.release(slot), handle, words=words)
         return dataclasses.replace(
             result, progress_slot=slot, progress_generation=generation, progress_words=len(words)
         )
@@ -250,15 +257,25 @@ class RegisteredPool:
         if slot is None:
             return self._start_worker(op, statuses, nbytes, args, None)
         _, keys, host_pages, dev_pages = args
-        try:
-            handle = self.engine.reload_async(host_pages, dev_pages, after_layer=events.recorder(slot))
-        except BaseException as exc:
-            self.cache.release(keys)
-            events.release(slot)
-            op.failed(f"{type(exc).__name__}: {exc}", 0)
-            raise
+        handle = self._start_copy(
+            op, keys, lambda: self.engine.reload_async(host_pages, dev_pages, after_layer=events.recorder(slot)),
+            lambda: events.release(slot),
+        )  # fmt: skip
         result = self._start_worker(op, statuses, nbytes, args, lambda: events.release(slot), handle)
         return dataclasses.replace(result, event_slot=slot, event_layers=self.geometry.layer_num)
+
+    def _start_copy(
+        self, op: Operation, keys: list[bytes], start: Callable[[], TransferHandle], release: Callable[[], None]
+    ) -> TransferHandle:
+        """start() a reload in the calling thread; if it raises, free its keys and its slot
+        (`release`), mark the operation failed, and re-raise."""
+        try:
+            return start()
+        except BaseException as exc:
+            self.cache.release(keys)
+            release()
+            op.failed(f"{type(exc).__name__}: {exc}", 0)
+            raise
 
     def _start_worker(
         self,
