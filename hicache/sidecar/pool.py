@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import secrets
 import threading
 import time
@@ -234,13 +235,11 @@ class RegisteredPool:
             return self._start_worker(op, statuses, nbytes, args, None)
         slot, generation, words = taken
         _, keys, host_pages, dev_pages = args
+        release = functools.partial(progress.release, slot)
         handle = self._start_copy(
-            op,
-            keys,
-            lambda: self.engine.reload_async(host_pages, dev_pages, progress=words),
-            lambda: progress.release(slot),
+            op, keys, lambda: self.engine.reload_async(host_pages, dev_pages, progress=words), release
         )  # started here, before the answer: no worker thread start ahead of the first layer
-        result = self._start_worker(op, statuses, nbytes, args, lambda: progress.release(slot), handle, words=words)
+        result = self._start_worker(op, statuses, nbytes, args, release, handle, words=words)
         return dataclasses.replace(
             result, progress_slot=slot, progress_generation=generation, progress_words=len(words)
         )
@@ -257,11 +256,14 @@ class RegisteredPool:
         if slot is None:
             return self._start_worker(op, statuses, nbytes, args, None)
         _, keys, host_pages, dev_pages = args
+        release = functools.partial(events.release, slot)
         handle = self._start_copy(
-            op, keys, lambda: self.engine.reload_async(host_pages, dev_pages, after_layer=events.recorder(slot)),
-            lambda: events.release(slot),
-        )  # fmt: skip
-        result = self._start_worker(op, statuses, nbytes, args, lambda: events.release(slot), handle)
+            op,
+            keys,
+            lambda: self.engine.reload_async(host_pages, dev_pages, after_layer=events.recorder(slot)),
+            release,
+        )
+        result = self._start_worker(op, statuses, nbytes, args, release, handle)
         return dataclasses.replace(result, event_slot=slot, event_layers=self.geometry.layer_num)
 
     def _start_copy(

@@ -146,10 +146,7 @@ done:
         Py_XDECREF(descs_obj);
         return NULL;
     }
-    PyObject *out = PyTuple_Pack(2, descs_obj, pos_obj);
-    Py_DECREF(descs_obj);
-    Py_DECREF(pos_obj);
-    return out;
+    return Py_BuildValue("(NN)", descs_obj, pos_obj); /* N: the tuple takes both references */
 }
 
 /* ---- merge: join single-row copies that continue each other on both sides ------------- */
@@ -232,10 +229,7 @@ done:
         Py_XDECREF(ends_obj);
         return NULL;
     }
-    PyObject *result = PyTuple_Pack(2, descs_obj, ends_obj);
-    Py_DECREF(descs_obj);
-    Py_DECREF(ends_obj);
-    return result;
+    return Py_BuildValue("(NN)", descs_obj, ends_obj);
 }
 
 /* ---- split: cut copies into shares of about equal bytes, between groups --------------- */
@@ -275,10 +269,7 @@ static PyObject *share_tuple(const CopyDesc *descs, const Py_ssize_t *starts, co
         at += stops[l] - starts[l];
         e[l] = at;
     }
-    PyObject *t = PyTuple_Pack(2, descs_obj, ends_obj);
-    Py_DECREF(descs_obj);
-    Py_DECREF(ends_obj);
-    return t;
+    return Py_BuildValue("(NN)", descs_obj, ends_obj);
 }
 
 /* split_descriptors(descs, layer_ends, group, shares, per_layer) -> [(descriptors, layer_ends)]

@@ -243,11 +243,10 @@ class TransferEngine:
         """Every layer in one C call, its shares on threads of the C code's own (no Python
         thread hand-offs), each publishing its layers into its word."""
         batch = native.layered(src, dst, plan, plan.layers)
-        nbytes = plan.num_pages * src.geometry.page_bytes_for(len(plan.layers))  # what the batch moves
-        shares = max(1, min(len(words), self.shares)) if nbytes >= native.LAYERED_INLINE_BYTES else 1
+        shares = max(1, min(len(words), self.shares)) if batch.nbytes >= native.LAYERED_INLINE_BYTES else 1
         for spare in range(shares, len(words)):  # words no share writes: done from the start
             words.publish(spare, len(plan.layers))
-        native.layered_call(src, dst, batch, words.addresses[:shares], streaming=nbytes >= native.STREAM_MIN_BYTES)()
+        native.layered_call(src, dst, batch, words.addresses[:shares])()
 
     # ---- execution -------------------------------------------------------------------------
     def _run(self, src: Pool, dst: Pool, plan: TransferPlan, *, load: bool, before: StreamHook | None = None) -> None:
@@ -266,11 +265,9 @@ class TransferEngine:
             copy_pages_triton(src, dst, plan if layers is None else layer_plan(plan, layers))
             return
         if self.backend == "native":
-            wanted = plan.layers if layers is None else layers
-            nbytes = plan.num_pages * src.geometry.page_bytes_for(len(wanted))  # what the batch moves
-            batch = native.descriptors(src, dst, plan, wanted)
-            shares = self.shares if nbytes >= native.SMALL_BYTES else 1  # small: this thread only
-            native.batch_call(src, dst, batch, shares, streaming=nbytes >= native.STREAM_MIN_BYTES)()
+            batch = native.descriptors(src, dst, plan, plan.layers if layers is None else layers)
+            shares = self.shares if batch.nbytes >= native.SMALL_BYTES else 1  # small: this thread only
+            native.batch_call(src, dst, batch, shares)()
             return
         runs = None if layers is None else [(layer, 1) for layer in layers]
         dsts, srcs = copy_views(self._views[id(src)], self._views[id(dst)], plan, runs)

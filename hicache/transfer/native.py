@@ -4,9 +4,10 @@ Every (page, layer, buffer) chunk of a transfer becomes a descriptor (dst, src, 
 row_bytes, dst_stride, src_stride) computed from the two layouts' strides, in destination
 order; chunks adjacent on both sides (page runs) merge into copies of about MERGE_CAP bytes.
 For a large transfer this planning is C (_native_plan.c) that holds the GIL: numpy would
-hand the GIL to any other busy Python thread on every large operation. The C extension (_native.c) copies a whole descriptor array per call with
-the GIL released, cut into shares that run on threads of its own (batch_call), so the
-Python cost is per transfer, not per page, and no Python thread hands work to another. A
+hand the GIL to any other busy Python thread on every large operation. The C extension
+(_native.c) copies a whole descriptor array per call with the GIL released, cut into shares
+that run on threads of its own (batch_call), so the Python cost is per transfer, not per
+page, and no Python thread hands work to another. A
 layer-wise transfer is one such call too (layered, layered_call): each share publishes
 the layers it has done into a progress word. Transfers below SMALL_BYTES are copied by the
 calling thread, unsorted, their descriptors made from a cached page template; those of
@@ -60,10 +61,15 @@ class CopyBatch:
 
     descs: np.ndarray
     group: int = 1
+    moves: int | None = None  # the bytes it copies, when its builder knows them from the plan
 
     @cached_property  # read by the engine (threads or not) and by batch_call (streaming or not)
     def nbytes(self) -> int:
-        return int((self.descs[:, ROWS] * self.descs[:, ROW_BYTES]).sum()) if len(self.descs) else 0
+        return self.moves if self.moves is not None else _bytes_of(self.descs)
+
+
+def _bytes_of(descs: np.ndarray) -> int:
+    return int((descs[:, ROWS] * descs[:, ROW_BYTES]).sum()) if len(descs) else 0
 
 
 def chunk_parts(src: FlatPool, dst: FlatPool, plan: TransferPlan, layer_arr: np.ndarray) -> list[np.ndarray]:
@@ -138,20 +144,22 @@ def descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequen
     destination offset, and where both sides' chunks are contiguous adjacent ones merge.
     """
     if plan.num_pages == 0 or len(layers) == 0:
-        return CopyBatch(np.zeros((0, 6), dtype=np.int64))
-    if plan.num_pages * src.geometry.page_bytes_for(len(layers)) < SMALL_BYTES:
+        return CopyBatch(np.zeros((0, 6), dtype=np.int64), moves=0)
+    nbytes = plan.num_pages * src.geometry.page_bytes_for(len(layers))
+    if nbytes < SMALL_BYTES:
         # a few chunks: sorting and merging cost more than they save
-        return CopyBatch(small_descriptors(src, dst, plan, layers))
-    if not all(s.chunk_contiguous for s in src.layout.strides):
-        # Walk the source's pages in address order, row by row across their chunks: strided
-        # reads are what the prefetcher punishes (measured: 0.45 -> 1.1 of copy_ on reload).
-        descs, _ = _built(src, dst, plan, layers, by_layer=False, key_is_src=True)
-        return CopyBatch(descs, len(src.layout.strides) * len(layers))
-    descs, _ = _built(src, dst, plan, layers, by_layer=False, key_is_src=False)
+        return CopyBatch(small_descriptors(src, dst, plan, layers), moves=nbytes)
+    # Where the source is strided, walk its pages in address order, row by row across their
+    # chunks: strided reads are what the prefetcher punishes (measured: 0.45 -> 1.1 of copy_
+    # on reload).
+    strided_src = not all(s.chunk_contiguous for s in src.layout.strides)
+    descs, _ = _built(src, dst, plan, layers, by_layer=False, key_is_src=strided_src)
+    if strided_src:
+        return CopyBatch(descs, len(src.layout.strides) * len(layers), nbytes)
     if not all(d.chunk_contiguous for d in dst.layout.strides):
         # Strided writes of whole rows stream fine chunk by chunk (row-interleaving measured slower).
-        return CopyBatch(descs)
-    return CopyBatch(merge(descs))
+        return CopyBatch(descs, moves=nbytes)
+    return CopyBatch(merge(descs), moves=nbytes)
 
 
 def _built(
@@ -213,31 +221,32 @@ class LayeredBatch:
     descs: np.ndarray
     ends: np.ndarray
     group: int = 1
+    moves: int | None = None  # as CopyBatch's
 
     @cached_property
     def nbytes(self) -> int:
-        return int((self.descs[:, ROWS] * self.descs[:, ROW_BYTES]).sum()) if len(self.descs) else 0
+        return self.moves if self.moves is not None else _bytes_of(self.descs)
 
 
 def layered(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int]) -> LayeredBatch:
     """The descriptors of every layer of a transfer, built at once (see descriptors() for the
     order within a layer), for one copy_layers call per share."""
-    layer_arr = np.asarray(layers, dtype=np.int64)
-    if plan.num_pages == 0 or layer_arr.size == 0:
-        return LayeredBatch(np.zeros((0, 6), dtype=np.int64), np.zeros(layer_arr.size, dtype=np.int64))
-    count = layer_arr.size
-    if plan.num_pages * src.geometry.page_bytes_for(count) < LAYERED_INLINE_BYTES:
+    count = len(layers)
+    if plan.num_pages == 0 or count == 0:
+        return LayeredBatch(np.zeros((0, 6), dtype=np.int64), np.zeros(count, dtype=np.int64), moves=0)
+    nbytes = plan.num_pages * src.geometry.page_bytes_for(count)
+    if nbytes < LAYERED_INLINE_BYTES:
         # small: the template's rows (page, buffer, layer) put in layer order, unsorted within
         descs = small_descriptors(src, dst, plan, layers)
         order, ends = _layer_order(len(descs), count)
-        return LayeredBatch(descs[order], ends)
+        return LayeredBatch(descs[order], ends, moves=nbytes)
     strided_src = not all(s.chunk_contiguous for s in src.layout.strides)
     descs, positions = _built(src, dst, plan, layers, by_layer=True, key_is_src=strided_src)
     group = len(src.layout.strides) if strided_src else 1
     merging = not strided_src and all(d.chunk_contiguous for d in dst.layout.strides)
     assert _native is not None
     merged, ends = _native.merge_descriptors(descs, positions, count, MERGE_CAP if merging else 0)
-    return LayeredBatch(_descs(merged), np.frombuffer(ends, dtype=np.int64), group)
+    return LayeredBatch(_descs(merged), np.frombuffer(ends, dtype=np.int64), group, nbytes)
 
 
 @lru_cache(maxsize=256)
