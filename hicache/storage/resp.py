@@ -23,7 +23,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-Buffer = bytes | bytearray | memoryview
+from hicache.storage.base import Buffer
+
 Into = Callable[[int, int], memoryview | None]  # (command index, bulk length) -> where to put it
 
 SEND_APART = 16 << 10  # a value piece at least this long is sent as its own buffer, not copied
@@ -176,7 +177,7 @@ class Reader:
 
     def _fill(self) -> None:
         if self._start > 0:  # keep the unread tail at the front
-            pending = self._end - self._start
+            pending = self.pending
             self._view[:pending] = self._view[self._start : self._end]
             self._start, self._end = 0, pending
         got = self._sock.recv_into(self._view[self._end :])
@@ -185,7 +186,7 @@ class Reader:
         self._end += got
 
     def _exact(self, dest: memoryview) -> None:
-        have = min(dest.nbytes, self._end - self._start)
+        have = min(dest.nbytes, self.pending)
         dest[:have] = self._view[self._start : self._start + have]
         self._start += have
         while have < dest.nbytes:
