@@ -5,7 +5,8 @@
 # It installs no torch: it builds the C extension with that python, installs only the wheels
 # in .whl/ (git-ignored: cp312 wheels the machine lacks, e.g. grpcio-health-checking and
 # grpcio-reflection; the device README shows the pip download line), then runs the CUDA
-# tests, benchmarks/transfer.py --device cuda for every host layout, and the two-process CUDA
+# tests, benchmarks/transfer.py --device cuda for every host layout (and the kernels alone
+# beside the copy-engine batches), and the two-process CUDA
 # IPC round trip with a layer-wise reload (scripts/gpu_ipc_check.py). Results: one JSON,
 # $OUT/gpu-check.json ($OUT is set there; else ./gpu-check-out/), and the logs of the build
 # and of every step beside it (steps.log). Exits non-zero if a step failed.
@@ -43,11 +44,21 @@ step "build the C extension"
 "$PY" setup.py -q build_ext --inplace >"$OUT_DIR/build.log" 2>&1 || { failed=1; echo "build failed" >>"$log"; }
 step "CUDA tests"
 timeout 150 "$PY" -m pytest -p no:cacheprovider -rfE --tb=short "${TESTS[@]}" >"$OUT_DIR/tests.log" 2>&1 || failed=1
-for layout in "${LAYOUTS[@]}"; do
-  step "transfer --device cuda --layout $layout"
-  timeout 60 "$PY" benchmarks/transfer.py --device cuda --layout "$layout" --no-naive --repeat 5 --json \
-    >"$work/transfer-$layout.json" 2>"$work/transfer-$layout.err" || failed=1
-  tail -5 "$work/transfer-$layout.err" >>"$log"
+# every host layout with the default path, then the kernels alone where the copy engines
+# take over (contiguous chunks), at page 64 (96/64 KiB pieces) and page 16 (24/16 KiB)
+RUNS=()
+for layout in "${LAYOUTS[@]}"; do RUNS+=("$layout|--layout $layout"); done
+RUNS+=("layer_first-triton|--layout layer_first --backend triton"
+       "page_first_direct-triton|--layout page_first_direct --backend triton"
+       "layer_first-p16|--layout layer_first --page-size 16 --pages 1024"
+       "layer_first-p16-triton|--layout layer_first --page-size 16 --pages 1024 --backend triton")
+for run in "${RUNS[@]}"; do
+  name=${run%%|*}
+  step "transfer --device cuda ${run#*|}"
+  # shellcheck disable=SC2086  # the run's arguments split on spaces
+  timeout 60 "$PY" benchmarks/transfer.py --device cuda ${run#*|} --no-naive --repeat 5 --json \
+    >"$work/transfer-$name.json" 2>"$work/transfer-$name.err" || failed=1
+  tail -5 "$work/transfer-$name.err" >>"$log"
 done
 step "CUDA IPC round trip through the sidecar"
 timeout 90 "$PY" scripts/gpu_ipc_check.py "$work/ipc.json" >"$work/ipc.err" 2>&1 || failed=1

@@ -1,35 +1,47 @@
-"""The CUDA copy path: Triton gather/scatter kernels or cudaMemcpyAsync, on dedicated streams.
+"""The CUDA copy path: copy-engine batches, cudaMemcpyAsync or Triton kernels, on dedicated streams.
 
-- Large contiguous pieces (a (page run, layer) chunk contiguous on both sides, as between
-  the layer_first device pool and a layer_first or page_first_direct host pool) go as one
-  `copy_(non_blocking=True)` each, which torch issues as a cudaMemcpyAsync on pinned memory.
-- Everything else, and small chunks, goes through the Triton kernels (one program per
-  (page, layer) chunk, one launch per buffer), which beat many small memcpys.
+- When every (page, layer) chunk is contiguous on both sides (the layer_first device pool
+  with a layer_first or page_first_direct host pool), the pieces (page runs merged) go to
+  the copy engines as one cuMemcpyBatchAsync per layer group, where the driver has it
+  (cuda_batch). Without it, large pieces go as one `copy_(non_blocking=True)` each.
+- Everything else (page_first's strided chunks), and small pieces without the batch call,
+  goes through the Triton kernels (one program per (page, layer) chunk, one launch per
+  buffer), which beat many small memcpys.
 - Offloads run on a write stream and reloads on a load stream, each ordered after the
   caller's current stream; a layer-wise reload records one event per layer.
 
 Importable without CUDA: torch.cuda is only touched when a transfer runs on a GPU pool.
-The segment planning and the memcpy path are plain torch and are tested on CPU.
+The piece planning and the memcpy path are plain numpy and torch and are tested on CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal
 
+import numpy as np
+
 from hicache.pools.flat import FlatPool
+from hicache.transfer import cuda_batch
+from hicache.transfer.cuda_batch import BatchCopy
 from hicache.transfer.plan import TransferPlan
 
 MEMCPY_MIN_BYTES = 256 << 10  # mean contiguous piece from which memcpy beats the kernels
-Path = Literal["memcpy", "kernel"]
+Path = Literal["memcpy", "kernel", "batch"]
 Segment = tuple[int, int, int]  # (src byte offset, dst byte offset, bytes)
+Pieces = tuple[np.ndarray, np.ndarray, np.ndarray]  # src offsets, dst offsets, bytes: (layers, pieces) each
+GroupCopy = Callable[[tuple[int, ...], slice], Path]
 StreamHook = Callable[[int], None]  # called with the copy stream (a cudaStream_t as int)
 LayerHook = Callable[[int, int], None]  # (the layer's position in the plan, the copy stream)
+log = logging.getLogger(__name__)
 
 
-def memcpy_segments(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tuple[int, ...]) -> list[Segment] | None:
-    """The contiguous byte ranges that carry out `plan` for `layers`, in layer order.
+def memcpy_pieces(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tuple[int, ...]) -> Pieces | None:
+    """The contiguous byte ranges that carry out `plan` for `layers`: (src offsets, dst
+    offsets, bytes), each int64 of shape (len(layers), pieces per layer), one row per layer.
 
     None when some buffer's (page, layer) chunk is strided on either side: then only the
     kernels can do it. Page runs that are contiguous on both sides become one range.
@@ -38,17 +50,29 @@ def memcpy_segments(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tu
     pairs = list(zip(src.layout.strides, dst.layout.strides, strict=True))
     if not all(ss.chunk_contiguous and ds.chunk_contiguous for ss, ds in pairs):
         return None
-    segments: list[Segment] = []
-    for layer in layers:
-        for s_page, d_page, n in plan.runs:
-            for buffer, (ss, ds) in zip(g.buffers, pairs, strict=True):
-                chunk = g.chunk_bytes(buffer)
-                if ss.page_stride == chunk and ds.page_stride == chunk:
-                    segments.append((ss.offset(s_page, layer), ds.offset(d_page, layer), n * chunk))
-                else:
-                    for k in range(n):
-                        segments.append((ss.offset(s_page + k, layer), ds.offset(d_page + k, layer), chunk))
-    return segments
+    runs = np.asarray(plan.runs, dtype=np.int64).reshape(-1, 3)
+    layer_col = np.asarray(layers, dtype=np.int64)[:, None]
+    cols: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
+    for buffer, (ss, ds) in zip(g.buffers, pairs, strict=True):
+        chunk = g.chunk_bytes(buffer)
+        if ss.page_stride == chunk and ds.page_stride == chunk:
+            s_pages, d_pages, sizes = runs[:, 0], runs[:, 1], runs[:, 2] * chunk
+        else:
+            s_pages, d_pages = plan.src_pages.astype(np.int64), plan.dst_pages.astype(np.int64)
+            sizes = np.full(plan.num_pages, chunk, dtype=np.int64)
+        cols[0].append(ss.base + s_pages * ss.page_stride + layer_col * ss.layer_stride)
+        cols[1].append(ds.base + d_pages * ds.page_stride + layer_col * ds.layer_stride)
+        cols[2].append(np.broadcast_to(sizes, (len(layers), sizes.size)))
+    s_off, d_off, nbytes = (np.concatenate(c, axis=1) for c in cols)
+    return s_off, d_off, nbytes
+
+
+def memcpy_segments(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tuple[int, ...]) -> list[Segment] | None:
+    """memcpy_pieces as a list of (src offset, dst offset, bytes), in layer order."""
+    pieces = memcpy_pieces(src, dst, plan, layers)
+    if pieces is None:
+        return None
+    return list(zip(*(a.ravel().tolist() for a in pieces), strict=True))
 
 
 def mean_piece_bytes(src: FlatPool, dst: FlatPool, plan: TransferPlan) -> float | None:
@@ -89,8 +113,10 @@ def layer_plan(plan: TransferPlan, layers: tuple[int, ...]) -> TransferPlan:
 class CudaCopier:
     """Runs transfers between a CUDA pool and a (pinned) host pool on dedicated streams.
 
-    mode "auto" picks memcpy or kernels per transfer (choose_path); "triton" always uses
-    the kernels.
+    mode "auto": a transfer whose chunks are contiguous on both sides goes to the copy
+    engines as one cuMemcpyBatchAsync per layer group (cuda_batch) where the driver has it,
+    else as one memcpy per piece if the pieces are large (choose_path), else to the kernels;
+    "triton" always uses the kernels. `paths` counts the layer groups each path copied.
     """
 
     def __init__(self, device: Any, mode: Literal["auto", "triton"] = "auto"):
@@ -100,6 +126,15 @@ class CudaCopier:
         self.mode = mode
         self.write_stream = torch.cuda.Stream(device=device)
         self.load_stream = torch.cuda.Stream(device=device)
+        self.batch: BatchCopy | None = None
+        self.batch_off = "mode 'triton'"  # why batch is None
+        if mode == "auto":
+            loaded = cuda_batch.load()
+            if isinstance(loaded, str):
+                self.batch_off = loaded
+            else:
+                self.batch, self.batch_off = loaded, ""
+        self.paths: Counter[str] = Counter()
 
     def run(
         self,
@@ -128,10 +163,12 @@ class CudaCopier:
         if before is not None:
             before(stream.cuda_stream)
         groups = [(layer,) for layer in plan.layers] if per_layer else [plan.layers]
+        copy = self._copier(src, dst, plan, stream.cuda_stream)
         events = []
         with torch.cuda.stream(stream):
             for position, layers in enumerate(groups):
-                self._copy(src, dst, plan, layers)
+                first = position if per_layer else 0
+                self.paths[copy(layers, slice(first, first + len(layers)))] += 1
                 event = torch.cuda.Event()
                 event.record(stream)
                 events.append(event)
@@ -141,14 +178,40 @@ class CudaCopier:
             stream.synchronize()
         return events
 
-    def _copy(self, src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tuple[int, ...]) -> None:
-        # the choice is counted, not listed: listing a large transfer's pieces in Python
-        # costs about as long as the kernels take to copy them
-        if self.mode == "auto" and choose_path(mean_piece_bytes(src, dst, plan)) == "memcpy":
-            segments = memcpy_segments(src, dst, plan, layers)
-            assert segments is not None
-            copy_segments(src, dst, segments)
-        else:
+    def _copier(self, src: FlatPool, dst: FlatPool, plan: TransferPlan, stream: int) -> GroupCopy:
+        """The function that queues one layer group (its layers, and their rows in the plan's
+        layer order) and names the path it took. The choice is counted, not listed: listing
+        a large transfer's pieces in Python costs about as long as the kernels take to copy."""
+        mean = mean_piece_bytes(src, dst, plan) if self.mode == "auto" else None
+
+        def kernel(layers: tuple[int, ...], rows: slice) -> Path:
             from hicache.transfer.triton_kernels import copy_pages_triton
 
             copy_pages_triton(src, dst, layer_plan(plan, layers))
+            return "kernel"
+
+        if mean is None or (self.batch is None and choose_path(mean) == "kernel"):
+            return kernel
+        pieces = memcpy_pieces(src, dst, plan, plan.layers)
+        assert pieces is not None
+        s_off, d_off, nbytes = pieces
+        if self.batch is None:
+
+            def memcpy(layers: tuple[int, ...], rows: slice) -> Path:
+                copy_segments(src, dst, list(zip(*(a[rows].ravel().tolist() for a in pieces), strict=True)))
+                return "memcpy"
+
+            return memcpy
+        s_ptr, d_ptr = s_off + src.flat.data_ptr(), d_off + dst.flat.data_ptr()
+
+        def batch(layers: tuple[int, ...], rows: slice) -> Path:
+            if self.batch is not None:
+                try:
+                    self.batch(d_ptr[rows].ravel(), s_ptr[rows].ravel(), nbytes[rows].ravel(), stream)
+                    return "batch"
+                except RuntimeError as exc:  # refused before anything was queued: the kernels copy it
+                    self.batch, self.batch_off = None, str(exc)
+                    log.warning("CUDA batch copies are off for this engine: %s", exc)
+            return kernel(layers, rows)
+
+        return batch

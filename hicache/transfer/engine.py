@@ -221,6 +221,11 @@ class TransferEngine:
         return handle
 
     @property
+    def cuda(self) -> CudaCopier | None:
+        """The CUDA copier (its `paths` count and `batch_off` reason), None for CPU pools or backend 'torch'."""
+        return self._cuda
+
+    @property
     def shares(self) -> int:
         """Copy shares of a large CPU transfer: one per copy thread (the progress words a
         layer-wise reload can use)."""
