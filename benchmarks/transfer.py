@@ -21,8 +21,7 @@ drawn from pools twice the transfer size. Ratios:
                                 over the plain reload with no such thread (GIL hand-offs, and
                                 the core the spinner takes); layerwise_busy_over_plain_busy
                                 over the plain reload beside the same spinner (hand-offs only)
-  cuda_paths / cuda_batch_off  (CUDA) layer groups copied per path (batch: the copy engines'
-                                cuMemcpyBatchAsync, memcpy, kernel), and why batches are off
+  cuda_paths                    (CUDA) layer groups copied per path (memcpy, kernel)
 memcpy is `dst.copy_(src)` of pages * page_bytes contiguous bytes between the two pools' memory.
 With the CPU "native" backend, which writes with streaming (non-temporal) stores, the same
 contiguous bytes are also copied by that C code over the same threads ("stream memcpy", the
@@ -273,9 +272,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, base in (("offload", "d2h_stream"), ("reload", "h2d_stream")):
             pairs = zip(rounds[base], rounds[name], strict=True)
             out[f"{name}_stream_ratio"] = statistics.median(m / e for m, e in pairs)
-    if engine.cuda is not None:  # which CUDA path copied the layer groups, and why batches are off if they are
+    if engine.cuda is not None:  # which CUDA path copied the layer groups
         out["cuda_paths"] = dict(engine.cuda.paths)
-        out["cuda_batch_off"] = engine.cuda.batch_off
     if not args.device.startswith("cuda"):
         out.update(fixed_costs(engine, device, host, dev_pages, host_pages, args.repeat))
     t_d2h, t_h2d = med["d2h"], med["h2d"]

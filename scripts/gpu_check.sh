@@ -5,8 +5,8 @@
 # It installs no torch: it builds the C extension with that python, installs only the wheels
 # in .whl/ (git-ignored: cp312 wheels the machine lacks, e.g. grpcio-health-checking and
 # grpcio-reflection; the device README shows the pip download line), then runs the CUDA
-# tests, benchmarks/transfer.py --device cuda for every host layout (and the kernels alone
-# beside the copy-engine batches), and the two-process CUDA
+# tests, benchmarks/transfer.py --device cuda for every host layout (and page 16 for
+# layer_first), and the two-process CUDA
 # IPC round trip with a layer-wise reload (scripts/gpu_ipc_check.py). Results: one JSON,
 # $OUT/gpu-check.json ($OUT is set there; else ./gpu-check-out/), and the logs of the build
 # and of every step beside it (steps.log). Exits non-zero if a step failed.
@@ -44,14 +44,10 @@ step "build the C extension"
 "$PY" setup.py -q build_ext --inplace >"$OUT_DIR/build.log" 2>&1 || { failed=1; echo "build failed" >>"$log"; }
 step "CUDA tests"
 timeout 150 "$PY" -m pytest -p no:cacheprovider -rfE --tb=short "${TESTS[@]}" >"$OUT_DIR/tests.log" 2>&1 || failed=1
-# every host layout with the default path, then the kernels alone where the copy engines
-# take over (contiguous chunks), at page 64 (96/64 KiB pieces) and page 16 (24/16 KiB)
+# every host layout at page 64 (96/64 KiB chunks), and layer_first at page 16 (24/16 KiB)
 RUNS=()
 for layout in "${LAYOUTS[@]}"; do RUNS+=("$layout|--layout $layout"); done
-RUNS+=("layer_first-triton|--layout layer_first --backend triton"
-       "page_first_direct-triton|--layout page_first_direct --backend triton"
-       "layer_first-p16|--layout layer_first --page-size 16 --pages 1024"
-       "layer_first-p16-triton|--layout layer_first --page-size 16 --pages 1024 --backend triton")
+RUNS+=("layer_first-p16|--layout layer_first --page-size 16 --pages 1024")
 for run in "${RUNS[@]}"; do
   name=${run%%|*}
   step "transfer --device cuda ${run#*|}"

@@ -1,12 +1,12 @@
-"""The CUDA copy path: copy-engine batches, cudaMemcpyAsync or Triton kernels, on dedicated streams.
+"""The CUDA copy path: Triton gather/scatter kernels or cudaMemcpyAsync, on dedicated streams.
 
-- When every (page, layer) chunk is contiguous on both sides (the layer_first device pool
-  with a layer_first or page_first_direct host pool), the pieces (page runs merged) go to
-  the copy engines as one cuMemcpyBatchAsync per layer group, where the driver has it
-  (cuda_batch). Without it, large pieces go as one `copy_(non_blocking=True)` each.
-- Everything else (page_first's strided chunks), and small pieces without the batch call,
-  goes through the Triton kernels (one program per (page, layer) chunk, one launch per
-  buffer), which beat many small memcpys.
+- Large contiguous pieces (a (page run, layer) chunk contiguous on both sides, as between
+  the layer_first device pool and a layer_first or page_first_direct host pool) go as one
+  `copy_(non_blocking=True)` each, which torch issues as a cudaMemcpyAsync on pinned memory.
+- Everything else, and small chunks, goes through the Triton kernels (one program per
+  part of a (page, layer) chunk, one launch per buffer), which beat many small memcpys.
+  The copy engines' cuMemcpyBatchAsync was measured on an H200 and lost to the kernels at
+  these piece sizes (README, "GPU figures"), so it is not used.
 - Offloads run on a write stream and reloads on a load stream, each ordered after the
   caller's current stream; a layer-wise reload records one event per layer.
 
@@ -17,7 +17,6 @@ The piece planning and the memcpy path are plain numpy and torch and are tested 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal
@@ -25,18 +24,15 @@ from typing import Any, Literal
 import numpy as np
 
 from hicache.pools.flat import FlatPool
-from hicache.transfer import cuda_batch
-from hicache.transfer.cuda_batch import BatchCopy
 from hicache.transfer.plan import TransferPlan
 
 MEMCPY_MIN_BYTES = 256 << 10  # mean contiguous piece from which memcpy beats the kernels
-Path = Literal["memcpy", "kernel", "batch"]
+Path = Literal["memcpy", "kernel"]
 Segment = tuple[int, int, int]  # (src byte offset, dst byte offset, bytes)
 Pieces = tuple[np.ndarray, np.ndarray, np.ndarray]  # src offsets, dst offsets, bytes: (layers, pieces) each
 GroupCopy = Callable[[tuple[int, ...], slice], Path]
 StreamHook = Callable[[int], None]  # called with the copy stream (a cudaStream_t as int)
 LayerHook = Callable[[int, int], None]  # (the layer's position in the plan, the copy stream)
-log = logging.getLogger(__name__)
 
 
 def memcpy_pieces(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tuple[int, ...]) -> Pieces | None:
@@ -113,10 +109,8 @@ def layer_plan(plan: TransferPlan, layers: tuple[int, ...]) -> TransferPlan:
 class CudaCopier:
     """Runs transfers between a CUDA pool and a (pinned) host pool on dedicated streams.
 
-    mode "auto": a transfer whose chunks are contiguous on both sides goes to the copy
-    engines as one cuMemcpyBatchAsync per layer group (cuda_batch) where the driver has it,
-    else as one memcpy per piece if the pieces are large (choose_path), else to the kernels;
-    "triton" always uses the kernels. `paths` counts the layer groups each path copied.
+    mode "auto" picks memcpy or kernels per transfer (choose_path); "triton" always uses
+    the kernels. `paths` counts the layer groups each path copied.
     """
 
     def __init__(self, device: Any, mode: Literal["auto", "triton"] = "auto"):
@@ -126,14 +120,6 @@ class CudaCopier:
         self.mode = mode
         self.write_stream = torch.cuda.Stream(device=device)
         self.load_stream = torch.cuda.Stream(device=device)
-        self.batch: BatchCopy | None = None
-        self.batch_off = "mode 'triton'"  # why batch is None
-        if mode == "auto":
-            loaded = cuda_batch.load()
-            if isinstance(loaded, str):
-                self.batch_off = loaded
-            else:
-                self.batch, self.batch_off = loaded, ""
         self.paths: Counter[str] = Counter()
 
     def run(
@@ -163,7 +149,7 @@ class CudaCopier:
         if before is not None:
             before(stream.cuda_stream)
         groups = [(layer,) for layer in plan.layers] if per_layer else [plan.layers]
-        copy = self._copier(src, dst, plan, stream.cuda_stream)
+        copy = self._copier(src, dst, plan)
         events = []
         with torch.cuda.stream(stream):
             for position, layers in enumerate(groups):
@@ -178,40 +164,25 @@ class CudaCopier:
             stream.synchronize()
         return events
 
-    def _copier(self, src: FlatPool, dst: FlatPool, plan: TransferPlan, stream: int) -> GroupCopy:
+    def _copier(self, src: FlatPool, dst: FlatPool, plan: TransferPlan) -> GroupCopy:
         """The function that queues one layer group (its layers, and their rows in the plan's
-        layer order) and names the path it took. The choice is counted, not listed: listing
-        a large transfer's pieces in Python costs about as long as the kernels take to copy."""
-        mean = mean_piece_bytes(src, dst, plan) if self.mode == "auto" else None
+        layer order) on the current stream and names the path it took. The choice is
+        counted, not listed: listing a large transfer's pieces first would cost time even
+        when the kernels copy it."""
+        if self.mode == "triton" or choose_path(mean_piece_bytes(src, dst, plan)) == "kernel":
 
-        def kernel(layers: tuple[int, ...], rows: slice) -> Path:
-            from hicache.transfer.triton_kernels import copy_pages_triton
+            def kernel(layers: tuple[int, ...], rows: slice) -> Path:
+                from hicache.transfer.triton_kernels import copy_pages_triton
 
-            copy_pages_triton(src, dst, layer_plan(plan, layers))
-            return "kernel"
+                copy_pages_triton(src, dst, layer_plan(plan, layers))
+                return "kernel"
 
-        if mean is None or (self.batch is None and choose_path(mean) == "kernel"):
             return kernel
         pieces = memcpy_pieces(src, dst, plan, plan.layers)
         assert pieces is not None
-        s_off, d_off, nbytes = pieces
-        if self.batch is None:
 
-            def memcpy(layers: tuple[int, ...], rows: slice) -> Path:
-                copy_segments(src, dst, list(zip(*(a[rows].ravel().tolist() for a in pieces), strict=True)))
-                return "memcpy"
+        def memcpy(layers: tuple[int, ...], rows: slice) -> Path:
+            copy_segments(src, dst, list(zip(*(a[rows].ravel().tolist() for a in pieces), strict=True)))
+            return "memcpy"
 
-            return memcpy
-        s_ptr, d_ptr = s_off + src.flat.data_ptr(), d_off + dst.flat.data_ptr()
-
-        def batch(layers: tuple[int, ...], rows: slice) -> Path:
-            if self.batch is not None:
-                try:
-                    self.batch(d_ptr[rows].ravel(), s_ptr[rows].ravel(), nbytes[rows].ravel(), stream)
-                    return "batch"
-                except RuntimeError as exc:  # refused before anything was queued: the kernels copy it
-                    self.batch, self.batch_off = None, str(exc)
-                    log.warning("CUDA batch copies are off for this engine: %s", exc)
-            return kernel(layers, rows)
-
-        return batch
+        return memcpy

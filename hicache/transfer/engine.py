@@ -200,7 +200,7 @@ class TransferEngine:
         after_layer: LayerHook | None = None,
     ) -> TransferHandle:
         pool = "device_pages" if load else "host_pages"
-        pages = frozenset(int(p) for p in plan.dst_pages)
+        pages = frozenset(plan.dst_pages.tolist())
         handle: TransferHandle
         with self._writers.reserve(pool, plan.dst_pages) as register:
             if self._cuda is not None:
@@ -222,7 +222,7 @@ class TransferEngine:
 
     @property
     def cuda(self) -> CudaCopier | None:
-        """The CUDA copier (its `paths` count and `batch_off` reason), None for CPU pools or backend 'torch'."""
+        """The CUDA copier (its `paths` count), None for CPU pools or backend 'torch'."""
         return self._cuda
 
     @property

@@ -74,7 +74,7 @@ class TransferPlan:
         breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
         starts = np.concatenate(([0], breaks))
         ends = np.concatenate((breaks, [s.size]))
-        return tuple((int(s[a]), int(d[a]), int(b - a)) for a, b in zip(starts, ends, strict=True))
+        return tuple(zip(s[starts].tolist(), d[starts].tolist(), (ends - starts).tolist(), strict=True))
 
 
 def make_plan(

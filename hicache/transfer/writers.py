@@ -36,7 +36,7 @@ class WriterRegistry:
 
     def _check(self, pool: str, pages: np.ndarray) -> frozenset[int]:
         self._active = [entry for entry in self._active if not entry[2]()]
-        wanted = frozenset(int(p) for p in pages)
+        wanted = frozenset(pages.tolist())
         for other_pool, other_pages, _ in self._active:
             clash = wanted & other_pages if other_pool == pool else frozenset()
             if clash:

@@ -52,3 +52,17 @@ def test_triton_layerwise_async_reload():
             handle.wait()
     assert same_page(dev, 0, back, 1, layers=[0, 2]) and same_page(dev, 3, back, 2, layers=[0, 2])
     assert int(back.k_buffer(1).count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chunks_cut_into_many_programs_are_copied_whole(layout, monkeypatch):
+    """Small parts, tiles and whole-chunk rows: a 7680-byte K chunk becomes 15 rows of 512
+    bytes in parts of 2 (the last part half masked); strided chunks take a token per part."""
+    from hicache.transfer import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "PROGRAM_BYTES", 1024)
+    monkeypatch.setattr(triton_kernels, "WHOLE_ROW_BYTES", 512)
+    monkeypatch.setattr(triton_kernels, "TILE_WORDS", 256)
+    g = KVGeometry.from_hf_config(load_config("mimo_v2_flash"), page_size=5)
+    g = KVGeometry(**dict(g.to_dict(), layer_num=2, layer_ids=g.layer_ids[:2]))
+    roundtrip(g, layout, backend="triton")

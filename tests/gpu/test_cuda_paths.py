@@ -52,26 +52,3 @@ def test_a_layerwise_reload_records_one_event_per_layer(layout: str) -> None:
         handle.wait()
         torch.cuda.synchronize()
     assert torch.equal(dev.read_page(6).cpu(), want[0]) and torch.equal(dev.read_page(7).cpu(), want[1])
-
-
-@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
-def test_contiguous_chunks_go_to_the_copy_engines_in_one_batch_per_layer_group(layout: str) -> None:
-    """The driver's cuMemcpyBatchAsync is found and used (plain and layer-wise), and its
-    copies equal the kernels' byte for byte."""
-    g = geometry("bfloat16")
-    dev, host, ref = random_pool(g, 16), HostKVPool(g, 16, layout), HostKVPool(g, 16, layout)
-    src, dst = [15, 0, 1, 2, 9], [3, 4, 5, 11, 0]
-    with TransferEngine(dev, host) as engine, TransferEngine(dev, ref, "triton") as kernels:
-        assert engine.cuda is not None and engine.cuda.batch_off == "", engine.cuda and engine.cuda.batch_off
-        engine.offload(src, dst)
-        kernels.offload(src, dst)
-        assert torch.equal(host.flat, ref.flat)
-        handle = engine.reload_async(dst, [6, 7, 8, 10, 12])
-        for layer in range(g.layer_num):
-            handle.wait_layer(layer)
-        handle.wait()
-        torch.cuda.synchronize()
-        assert engine.cuda.paths == {"batch": 1 + g.layer_num}, engine.cuda.paths  # offload: one group
-        assert kernels.cuda is not None and set(kernels.cuda.paths) == {"kernel"}
-    for s, d in zip(src, [6, 7, 8, 10, 12], strict=True):
-        assert torch.equal(dev.read_page(d).cpu(), dev.read_page(s).cpu())
