@@ -1,11 +1,12 @@
 """Triton page gather/scatter between two flat pools of any layouts.
 
-One program copies one part (about PROGRAM_BYTES) of one (page, layer) chunk of one
-buffer: a chunk that is contiguous on both sides is cut into rows of WHOLE_ROW_BYTES, a
-strided one has a row per token, and each program takes a few rows. Small parts keep many
-programs in flight and leave a short tail at the end of a launch. All layers go in one
-launch through tables of per-layer chunk offsets, uploaded once per transfer with the page
-lists; K, V and scale buffers get one launch each, so each has its own row width. Where every address, stride and width is 16-byte aligned (all
+One program copies one (page, layer) chunk of one buffer, a 2-D tile of rows at a time: a
+chunk that is contiguous on both sides is cut into rows of WHOLE_ROW_BYTES (so its tiles
+are as large as a strided chunk's), a strided one has a row per token. All layers go in one
+launch through tables of per-layer chunk offsets, uploaded in one copy per transfer with
+the page lists; K, V and scale buffers get one launch each, so each has its own row width.
+Cutting chunks into parts for several programs was measured on an H200 and did not help
+(README, "GPU figures"). Where every address, stride and width is 16-byte aligned (all
 real geometries), rows move as 16-byte vectors (ld.global.v4.b32; tests/test_triton_ptx.py
 compiles the kernel for sm_90 and checks); otherwise as the widest word (8/4/2/1 bytes)
 that fits. Tiles are 2-D, up to TILE_WORDS words (several rows at once, so many wide loads
@@ -26,9 +27,7 @@ _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 MAX_BLOCK = 1024  # words per row segment
 TILE_WORDS = 4096  # words per 2-D tile (rows x row segment)
 VECTOR_BYTES = 16  # one ld.global.v4.b32 / st.global.v4.b32 per thread and step
-PROGRAM_BYTES = 16 << 10  # about what one program copies
 WHOLE_ROW_BYTES = 4096  # the row width a contiguous chunk is cut into (when it divides the chunk)
-NUM_WARPS = 4
 
 
 @triton.jit
@@ -45,7 +44,6 @@ def _copy_chunks_kernel(
     dst_row_stride,
     ROWS: tl.constexpr,
     ROW_WORDS: tl.constexpr,
-    PART_ROWS: tl.constexpr,  # rows per program, a multiple of ROW_BLOCK
     ROW_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
@@ -54,13 +52,12 @@ def _copy_chunks_kernel(
     # move VEC words (16 bytes) per load and store; a hint on a loaded value would be lost.
     pair = tl.program_id(0)
     layer = tl.program_id(1)
-    part = tl.program_id(2)
     src_page = tl.load(src_pages + pair)
     dst_page = tl.load(dst_pages + pair)
     src = src_flat + (tl.load(src_layer_offsets + layer) + src_page * src_page_stride) * VEC
     dst = dst_flat + (tl.load(dst_layer_offsets + layer) + dst_page * dst_page_stride) * VEC
-    for row0 in range(0, PART_ROWS, ROW_BLOCK):
-        rows = part * PART_ROWS + row0 + tl.arange(0, ROW_BLOCK)
+    for row0 in range(0, ROWS, ROW_BLOCK):
+        rows = row0 + tl.arange(0, ROW_BLOCK)
         for start in range(0, ROW_WORDS, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = (rows[:, None] < ROWS) & (cols[None, :] < ROW_WORDS)
@@ -117,34 +114,21 @@ def copy_pages_triton(src: FlatPool, dst: FlatPool, plan: TransferPlan) -> None:
         row_words = row_bytes // word
         block = min(MAX_BLOCK, triton.next_power_of_2(row_words))
         row_block = max(1, min(triton.next_power_of_2(rows), TILE_WORDS // block))
-        wanted = max(1, PROGRAM_BYTES // row_bytes)
-        part_rows = min(max(row_block, 1 << (wanted.bit_length() - 1)), triton.next_power_of_2(rows))
         tables += [np.asarray(src_offs, dtype=np.int64) // unit, np.asarray(dst_offs, dtype=np.int64) // unit]
-        launches.append((word, unit, rows, row_words, part_rows, row_block, block, vec, ss, ds, src_row, dst_row))
+        strides = (ss.page_stride // unit, ds.page_stride // unit, src_row // unit, dst_row // unit)
+        shape = dict(ROWS=rows, ROW_WORDS=row_words, ROW_BLOCK=row_block, BLOCK=block, VEC=vec)
+        launches.append((word, strides, shape))
     # one upload of every table: a copy from pageable memory may wait for the stream's earlier work
-    lengths = [len(t) for t in tables]
     table = torch.from_numpy(np.concatenate(tables)).to(device, non_blocking=True)
-    src_pages, dst_pages, *offsets = torch.split(table, lengths)
-    for b, (word, unit, rows, row_words, part_rows, row_block, block, vec, ss, ds, src_row, dst_row) in enumerate(
-        launches
-    ):
-        grid = (plan.num_pages, len(plan.layers), triton.cdiv(rows, part_rows))
-        _copy_chunks_kernel[grid](
+    src_pages, dst_pages, *offsets = torch.split(table, [len(t) for t in tables])
+    for b, (word, strides, shape) in enumerate(launches):
+        _copy_chunks_kernel[(plan.num_pages, len(plan.layers))](
             _as_words(src.flat, word),
             _as_words(dst.flat, word),
             offsets[2 * b],
             offsets[2 * b + 1],
             src_pages,
             dst_pages,
-            ss.page_stride // unit,
-            ds.page_stride // unit,
-            src_row // unit,
-            dst_row // unit,
-            ROWS=rows,
-            ROW_WORDS=row_words,
-            PART_ROWS=part_rows,
-            ROW_BLOCK=row_block,
-            BLOCK=block,
-            VEC=vec,
-            num_warps=NUM_WARPS,
+            *strides,
+            **shape,
         )

@@ -55,12 +55,11 @@ def test_triton_layerwise_async_reload():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_chunks_cut_into_many_programs_are_copied_whole(layout, monkeypatch):
-    """Small parts, tiles and whole-chunk rows: a 7680-byte K chunk becomes 15 rows of 512
-    bytes in parts of 2 (the last part half masked); strided chunks take a token per part."""
+def test_whole_chunks_cut_into_rows_are_copied_whole(layout, monkeypatch):
+    """A 7680-byte K chunk becomes 15 rows of 512 bytes, copied in tiles of 2 rows (the last
+    tile half masked); strided chunks keep a row per token."""
     from hicache.transfer import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "PROGRAM_BYTES", 1024)
     monkeypatch.setattr(triton_kernels, "WHOLE_ROW_BYTES", 512)
     monkeypatch.setattr(triton_kernels, "TILE_WORDS", 256)
     g = KVGeometry.from_hf_config(load_config("mimo_v2_flash"), page_size=5)

@@ -38,8 +38,7 @@ def ptx_memory_ops(vec: int, word_type: str, row_words: int) -> set[str]:
     signature.update(src_flat=word_type, dst_flat=word_type)
     signature.update({name: "*i64" for name in ("src_layer_offsets", "dst_layer_offsets", "src_pages", "dst_pages")})
     block = triton.next_power_of_2(row_words)
-    row_block = max(1, 4096 // block)
-    constants = dict(ROWS=64, ROW_WORDS=row_words, PART_ROWS=row_block, ROW_BLOCK=row_block, BLOCK=block, VEC=vec)
+    constants = dict(ROWS=64, ROW_WORDS=row_words, ROW_BLOCK=max(1, 4096 // block), BLOCK=block, VEC=vec)
     signature.update({name: "constexpr" for name in constants})
     aligned = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}  # what a launch sees for torch memory
     compiled = triton.compile(
