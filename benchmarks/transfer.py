@@ -22,6 +22,9 @@ drawn from pools twice the transfer size. Ratios:
                                 the core the spinner takes); layerwise_busy_over_plain_busy
                                 over the plain reload beside the same spinner (hand-offs only)
   cuda_paths                    (CUDA) layer groups copied per path (memcpy, kernel)
+  offload_kernel_ratio / reload_kernel_ratio  (CUDA) the Triton kernels of the same transfer
+                                launched directly, without the engine (checks, streams,
+                                events), over memcpy: what the engine's own costs take away
 memcpy is `dst.copy_(src)` of pages * page_bytes contiguous bytes between the two pools' memory.
 With the CPU "native" backend, which writes with streaming (non-temporal) stores, the same
 contiguous bytes are also copied by that C code over the same threads ("stream memcpy", the
@@ -250,6 +253,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "h2d": lambda: dev_bytes.copy_(host_bytes),
         "reload": lambda: engine.reload(host_pages, dev_pages),
     }
+    if engine.cuda is not None:  # the kernels alone, without the engine's checks, streams and events
+        from hicache.transfer.triton_kernels import copy_pages_triton
+
+        off_plan, rel_plan = engine.offload_plan(dev_pages, host_pages), engine.reload_plan(host_pages, dev_pages)
+        fns["offload_kernel"] = lambda: copy_pages_triton(device, host, off_plan)
+        fns["reload_kernel"] = lambda: copy_pages_triton(host, device, rel_plan)
     streamed = engine.backend == "native"
     if streamed:
         fns["d2h_stream"] = stream_memcpy(device, host, nbytes, engine.shares)
@@ -272,8 +281,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, base in (("offload", "d2h_stream"), ("reload", "h2d_stream")):
             pairs = zip(rounds[base], rounds[name], strict=True)
             out[f"{name}_stream_ratio"] = statistics.median(m / e for m, e in pairs)
-    if engine.cuda is not None:  # which CUDA path copied the layer groups
+    if engine.cuda is not None:  # which CUDA path copied the layer groups; the kernels alone
         out["cuda_paths"] = dict(engine.cuda.paths)
+        for name, base in (("offload", "d2h"), ("reload", "h2d")):
+            pairs = zip(rounds[base], rounds[f"{name}_kernel"], strict=True)
+            out[f"{name}_kernel_ratio"] = statistics.median(m / e for m, e in pairs)
     if not args.device.startswith("cuda"):
         out.update(fixed_costs(engine, device, host, dev_pages, host_pages, args.repeat))
     t_d2h, t_h2d = med["d2h"], med["h2d"]
