@@ -2,9 +2,10 @@
 
 - file tier: batch_set / batch_get GB/s against a plain sequential write / read of the
   same bytes to one file in the same folder (with fsync at the end when the tier fsyncs);
-  batch_read (what the cache's fetch uses: each page read into a reused buffer, then copied
-  into a page buffer, and then into a layer_first HostKVPool with write_page, as the cache
-  does) against the same plain read into a reused buffer.
+  batch_read (each page read into a reused buffer, then copied into a page buffer), and
+  batch_read_into a layer_first HostKVPool (what the cache's fetch does: each file read
+  with one preadv straight into the page's chunks, then verified there), against the same
+  plain read into a reused buffer.
   Reads come from the page cache; a second read baseline keeps each page in a new buffer
   per batch, as batch_get must (its cost is mostly page faults on fresh memory).
 - redis tier: pages/s and GB/s against a raw redis-py pipeline SET / GET of the same
@@ -119,10 +120,10 @@ def bench_file(
         host = HostKVPool(g, len(keys), "layer_first")  # the cache's real target: a host pool
         host.flat.fill_(1)  # its memory faulted in, as a running sidecar's is
 
-        def tier_read_pool() -> None:
+        def tier_read_pool() -> None:  # as the cache's fetch does: straight into the host pages
             for s in range(0, len(keys), BATCH):
-                sink = functools.partial(lambda base, i, data: host.write_page(base + i, data), s)
-                assert tier.batch_read(keys[s : s + BATCH], sink) == len(keys[s : s + BATCH])
+                pieces_of = functools.partial(lambda base, i: host.page_pieces(base + i), s)
+                assert tier.batch_read_into(keys[s : s + BATCH], pieces_of) == len(keys[s : s + BATCH])
 
         order = (plain_write, tier_write, plain_read, plain_read_kept, tier_read, tier_read_into, tier_read_pool)
         rounds = [[timed(fn) for fn in order] for _ in range(repeat)]  # reads all from the page cache

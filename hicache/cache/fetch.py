@@ -139,6 +139,18 @@ class FetchMixin(WritePolicyMixin):
     def _write_fetched(self, pages: list[int], i: int, data: memoryview) -> None:
         self.pool.write_page(pages[i], data)
 
+    def _fetched_pieces(self, pages: list[int], i: int) -> list[memoryview]:
+        pieces = self.pool.page_pieces(pages[i])
+        assert pieces is not None  # the pool gives pieces for every page or for none
+        return pieces
+
+    def _read_batch(self, keys: list[bytes], pages: list[int]) -> int:
+        """Read `keys` from storage into `pages`, straight into the pages' bytes where the
+        pool gives them (page_pieces), else through the tier's buffer and write_page."""
+        if self.pool.page_pieces(pages[0]) is not None:
+            return self.storage.batch_read_into(keys, functools.partial(self._fetched_pieces, pages))
+        return self.storage.batch_read(keys, functools.partial(self._write_fetched, pages))
+
     def _fetch_into(
         self, keys: list[bytes], pages: list[int], *, ref: bool, handle: PrefetchHandle | None
     ) -> list[tuple[bytes, int]]:
@@ -152,7 +164,7 @@ class FetchMixin(WritePolicyMixin):
                 if handle is not None and handle.cancelled:
                     break
                 chunk = keys[start : start + self.fetch_batch_pages]
-                good = self.storage.batch_read(chunk, functools.partial(self._write_fetched, pages[start:]))
+                good = self._read_batch(chunk, pages[start:])
                 with self._lock:
                     for k, page in zip(chunk[:good], pages[start:], strict=False):
                         del self._pending[k]

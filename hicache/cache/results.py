@@ -20,6 +20,7 @@ class PagePool(Protocol):
     def num_pages(self) -> int: ...
     def read_page(self, page: int) -> Any: ...  # a uint8 tensor (or buffer) of page_bytes
     def write_page(self, page: int, data: Buffer) -> None: ...
+    def page_pieces(self, page: int) -> list[memoryview] | None: ...  # writable views in page order, or None
 
 
 @dataclass(frozen=True)

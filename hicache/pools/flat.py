@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from functools import cached_property
+
+import numpy as np
 import torch
 
 from hicache.geometry import KVGeometry
 from hicache.memory import MemoryHandle, SharedBuffer, local_buffer, wrap_tensor
 from hicache.pools.layouts import Layout, canonical_page_layout
 from hicache.validate import is_int
+
+MAX_PAGE_PIECES = 256  # a page in more pieces than this is copied by write_page instead
 
 
 class FlatPool:
@@ -83,6 +88,55 @@ class FlatPool:
             )
         page_pool = FlatPool(self.geometry, canonical_page_layout(self.geometry), wrap_tensor(src.contiguous()))
         _copy_page(page_pool, 0, self, page)
+
+    def page_pieces(self, page: int) -> list[memoryview] | None:
+        """Writable views of `page`'s bytes in the canonical page order (read_page's), one
+        per run of bytes contiguous in both orders: what a tier reads a stored page straight
+        into (StorageTier.batch_read_into). None for a pool on a GPU, or one whose page
+        would be more than MAX_PAGE_PIECES pieces (page_first's token rows): write_page
+        copies into those instead. Raises ValueError for a page out of range."""
+        self._check_page(page)
+        template = self._piece_template
+        if template is None or self.flat.is_cuda:
+            return None
+        starts, page_strides, sizes = template
+        whole = self.flat.numpy().data
+        return [whole[a : a + n] for a, n in zip((starts + page * page_strides).tolist(), sizes, strict=True)]
+
+    @cached_property
+    def _piece_template(self) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
+        """Page 0's pieces (pool offsets, their page strides, sizes) in canonical order."""
+        g = self.geometry
+        canon = canonical_page_layout(g)
+        rows = []  # (canonical offset, pool offset at page 0, page stride, bytes)
+        for b, (c, s) in enumerate(zip(canon.strides, self.layout.strides, strict=True)):
+            whole = s.chunk_contiguous
+            count, size = (1, g.chunk_bytes(g.buffers[b])) if whole else (g.page_size, s.row_bytes)
+            for layer in range(g.layer_num):
+                for t in range(count):
+                    rows.append(
+                        (
+                            c.offset(0, layer) + t * c.token_stride,
+                            s.offset(0, layer) + t * s.token_stride,
+                            s.page_stride,
+                            size,
+                        )
+                    )
+                if len(rows) > 4 * MAX_PAGE_PIECES:
+                    return None
+        rows.sort()
+        pieces = [list(rows[0])]
+        for canon_at, at, stride, size in rows[1:]:
+            last = pieces[-1]
+            if last[0] + last[3] == canon_at and last[1] + last[3] == at and last[2] == stride:
+                last[3] += size
+            else:
+                pieces.append([canon_at, at, stride, size])
+        assert pieces[0][0] == 0 and sum(p[3] for p in pieces) == g.page_bytes, "the rows do not tile the page"
+        if len(pieces) > MAX_PAGE_PIECES:
+            return None
+        table = np.asarray(pieces, dtype=np.int64)
+        return table[:, 1].copy(), table[:, 2].copy(), table[:, 3].tolist()
 
     def _check_page(self, page: int) -> None:
         if not is_int(page) or not 0 <= page < self.num_pages:

@@ -180,6 +180,21 @@ class StorageTier(ABC):
             n += 1
         return n
 
+    def batch_read_into(self, keys: Sequence[bytes], pieces_of: Callable[[int], Sequence[memoryview]]) -> int:
+        """batch_read, with page i's payload landing in pieces_of(i): writable byte views
+        whose lengths add up to page_bytes, filled in order (a host page's chunks). A tier
+        that can read straight into them does (FileTier); this one copies each payload.
+        Returns how many were read; the pieces of the page that stopped it may hold any
+        bytes. Raises ValueError if the pieces do not add up to page_bytes."""
+
+        def sink(i: int, payload: memoryview) -> None:
+            at = 0
+            for piece in check_pieces(pieces_of(i), self.identity.page_bytes):
+                piece[:] = payload[at : at + piece.nbytes]
+                at += piece.nbytes
+
+        return self.batch_read(keys, sink)
+
     def stats(self) -> TierStats:
         """A snapshot of the counters (a copy)."""
         with self._stats_lock:
@@ -218,3 +233,15 @@ class StorageTier(ABC):
         with self._stats_lock:
             self._counters.errors += 1
             self._counters.last_error = message
+
+
+def check_pieces(pieces: Sequence[memoryview], page_bytes: int) -> Sequence[memoryview]:
+    """`pieces` if they are writable byte views adding up to page_bytes; else ValueError."""
+    total = 0
+    for piece in pieces:
+        if piece.readonly or piece.itemsize != 1 or not piece.c_contiguous:
+            raise ValueError(f"a page piece must be a writable contiguous byte view, got {piece!r}")
+        total += piece.nbytes
+    if total != page_bytes:
+        raise ValueError(f"page pieces add up to {total} bytes, not the page's {page_bytes}")
+    return pieces

@@ -28,9 +28,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from hicache.storage import page_format as fmt
-from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity, TierStats
+from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity, TierStats, check_pieces
 from hicache.validate import is_int
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 PAGE_SUFFIX = ".page"
 TMP_SUFFIX = ".tmp"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # buffers per preadv
+R = TypeVar("R")
 
 
 def check_options(directory: object, max_bytes: object, fsync: object) -> None:
@@ -159,28 +162,68 @@ class FileTier(StorageTier):
             n += 1
         return n
 
+    def batch_read_into(self, keys: Sequence[bytes], pieces_of: Callable[[int], Sequence[memoryview]]) -> int:
+        """batch_read straight into each page's pieces: one preadv per file (header + key
+        into a small buffer, the payload into the pieces), verified over the pieces. No
+        buffer in between, so the payload is copied once, by the kernel."""
+        n = 0
+        for i, key in enumerate(keys):
+            fmt.check_key(key)
+            if not self._read_into(key, check_pieces(pieces_of(i), self.identity.page_bytes)):
+                break
+            n += 1
+        return n
+
+    def _read_into(self, key: bytes, pieces: Sequence[memoryview]) -> bool:
+        head = memoryview(bytearray(fmt.HEADER_BYTES + len(key)))
+        size = head.nbytes + self.identity.page_bytes
+        iovecs = [head, *pieces]
+
+        def read(fd: int) -> int:
+            got = 0
+            for at in range(0, len(iovecs), IOV_MAX):
+                got += os.preadv(fd, iovecs[at : at + IOV_MAX], got)
+            return got
+
+        def verify(got: int) -> bool:
+            if got != size:
+                raise fmt.PageError("corrupt", f"read {got} of {size} bytes")
+            fmt.verify_page(self.identity, key, head, pieces)
+            return True
+
+        return self._load(key, size, read, verify) is not None
+
     def _read(self, key: bytes, buf: memoryview) -> memoryview | None:
         """The page of `key` read into `buf` (its stored size), verified: its payload, or
         None for a miss (a bad file is deleted and counted, as get() documents)."""
+        return self._load(
+            key, buf.nbytes, lambda fd: os.readv(fd, [buf]), lambda got: fmt.decode_page(self.identity, key, buf[:got])
+        )
+
+    def _load(self, key: bytes, size: int, read: Callable[[int], int], verify: Callable[[int], R]) -> R | None:
+        """The read of one page file: checks it is a regular file of `size` bytes, then
+        read(fd) -> bytes read, then verify(bytes read) -> the result (PageError for a bad
+        page). A miss, or a bad file (deleted and counted, as get() documents), is None."""
         with self._lock:
             known = key in self._index
         if not known:
             self._count(misses=1)
             return None
         path = self.path_of(key)
-        size = buf.nbytes
         try:
             # O_NONBLOCK: a FIFO put in place of a page opens at once (and is refused below)
             # instead of blocking the read; O_NOFOLLOW: a symlink fails with ELOOP
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb", buffering=0) as f:
+            try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode) or st.st_size != size:  # checked before reading
                     self._refuse(
                         key, f"{path}: not a regular file of {size} bytes (mode {st.st_mode:o}, size {st.st_size})"
                     )
                     return None
-                got = f.readinto(buf)
+                got = read(fd)
+            finally:
+                os.close(fd)
         except FileNotFoundError:  # evicted or deleted meanwhile
             with self._lock:  # a rewrite since then renames and indexes under this lock
                 if key in self._index and not path.exists():
@@ -195,7 +238,7 @@ class FileTier(StorageTier):
             self._count(misses=1)
             return None
         try:
-            payload = fmt.decode_page(self.identity, key, buf[:got])
+            result = verify(got)
         except fmt.PageError as e:
             if e.reason == "unreadable":  # this process lacks the checksum algorithm: keep it
                 self._error(str(e))
@@ -212,8 +255,8 @@ class FileTier(StorageTier):
             due = len(self._read_since) >= RECENCY_BATCH
         if due:
             self.persist_recency()
-        self._count(hits=1, bytes_read=payload.nbytes)
-        return payload
+        self._count(hits=1, bytes_read=self.identity.page_bytes)
+        return result
 
     def persist_recency(self) -> None:
         """Write the read order kept in memory to the files' modification times (oldest read

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from hicache.storage.base import Buffer, TierIdentity
@@ -134,20 +134,33 @@ def decode_page(identity: TierIdentity, key: bytes, blob: Buffer) -> memoryview:
     view = memoryview(blob).cast("B")
     if view.nbytes < HEADER_BYTES:
         raise PageError("corrupt", f"{view.nbytes} bytes is shorter than the {HEADER_BYTES}-byte header")
+    key_len = view[7]
+    payload = view[HEADER_BYTES + key_len :]
+    verify_page(identity, key, view[: HEADER_BYTES + key_len], [payload])
+    return payload
+
+
+def verify_page(identity: TierIdentity, key: bytes, head: Buffer, payload: Sequence[Buffer]) -> None:
+    """Verify a stored page read as its header + key (`head`) and its payload in pieces
+    (`payload`, in order: e.g. read straight into a host page's chunks). Raises PageError
+    as decode_page does."""
+    view = memoryview(head).cast("B")
+    if view.nbytes < HEADER_BYTES:
+        raise PageError("corrupt", f"{view.nbytes} bytes is shorter than the {HEADER_BYTES}-byte header")
     magic, version, algorithm, key_len, fp, model, ns, size = _FIXED.unpack_from(view, 0)
     if magic != MAGIC or version != VERSION:
         raise PageError("corrupt", f"magic {magic!r} version {version}")
-    if view.nbytes != HEADER_BYTES + key_len + size:
-        raise PageError("corrupt", f"{view.nbytes} bytes, header says {HEADER_BYTES + key_len + size}")
+    got = view.nbytes + sum(memoryview(p).nbytes for p in payload)
+    if view.nbytes != HEADER_BYTES + key_len or got != HEADER_BYTES + key_len + size:
+        raise PageError("corrupt", f"{got} bytes, header says {HEADER_BYTES + key_len + size}")
     summer = _checksummer(algorithm)
     if summer is None and algorithm == XXH3_64:
         raise PageError("unreadable", "checksummed with xxh3_64, and the xxhash package is not installed")
     if summer is None:
         raise PageError("corrupt", f"checksum algorithm {algorithm} is unknown")
     (expected,) = _CHECKSUM.unpack_from(view, _FIXED.size)
-    stored_key = view[HEADER_BYTES : HEADER_BYTES + key_len]
-    payload = view[HEADER_BYTES + key_len :]
-    if summer([view[: _FIXED.size], stored_key, payload]) != expected:
+    stored_key = view[HEADER_BYTES:]
+    if summer([view[: _FIXED.size], stored_key, *payload]) != expected:
         raise PageError("corrupt", "checksum mismatch")
     if fp != identity.fingerprint_bytes or size != identity.page_bytes:
         raise PageError("foreign", f"geometry {fp.hex()}, expected {identity.fingerprint}")
@@ -155,4 +168,3 @@ def decode_page(identity: TierIdentity, key: bytes, blob: Buffer) -> memoryview:
         raise PageError("foreign", "another model or namespace")
     if bytes(stored_key) != key:
         raise PageError("foreign", f"key {bytes(stored_key).hex()}, expected {key.hex()}")
-    return payload

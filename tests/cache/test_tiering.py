@@ -230,3 +230,31 @@ def test_concurrent_offload_load_prefetch_evict_keep_integrity(build):
     cache.check_integrity()
     for k, v in tier.pages.items():  # everything written back is exact
         assert v == data[int.from_bytes(k[:4], "little")]
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("page_size", [4, 64])
+def test_a_fetch_lands_exact_pages_in_every_layout(tmp_path, layout, page_size):
+    """Straight into the host pages (page_pieces) where the pool gives them, through
+    write_page where it does not (page_first at page 64: too many token rows)."""
+    from conftest import load_config
+
+    from hicache.geometry import KVGeometry
+    from hicache.storage.file import FileTier
+
+    g = KVGeometry.from_hf_config(load_config("mimo_v2_flash"), page_size=page_size)
+    tier = FileTier(identity(g), tmp_path, fsync=False)
+    assert tier.batch_set([(key(i), payload(g, i)) for i in range(3)]) == [True] * 3
+    pool = HostKVPool(g, 4, layout)
+    assert (pool.page_pieces(0) is None) == (layout == "page_first" and page_size == 64)
+    cache = HierarchicalCache(pool, tier)
+    try:
+        got = cache.load([key(2), key(0), key(1), key(7)])
+        assert got.keys == [key(2), key(0), key(1)] and got.sources == ["storage"] * 3
+        for page, i in zip(got.pages, (2, 0, 1), strict=True):
+            assert pool.read_page(page).numpy().tobytes() == payload(g, i)
+        cache.release(got.keys)
+        cache.check_integrity()
+    finally:
+        cache.close()
+        pool.close()

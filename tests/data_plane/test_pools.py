@@ -189,3 +189,42 @@ def test_pages_written_from_views_and_pools_over_views_address_their_own_bytes()
         inner.write_page(p, batch[p])
     assert int(backing[:100].count_nonzero()) == 0  # nothing before the view was touched
     assert all(torch.equal(inner.read_page(p), batch[p]) for p in range(3))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "g",
+    [
+        KVGeometry.from_hf_config(load_config("mimo_v2_flash"), page_size=4, dtype="fp4_e2m1"),  # K, V and scales
+        KVGeometry(attention="mla", layer_num=3, head_num=1, kv_lora_rank=64, qk_rope_head_dim=16, page_size=2),
+    ],
+    ids=["mimo_fp4", "mla"],
+)
+def test_page_pieces_are_the_page_in_canonical_order_and_write_through(g, layout):
+    pool = HostKVPool(g, 5, layout)
+    fill_random(pool, 3)
+    pieces = pool.page_pieces(3)
+    assert pieces is not None and all(not p.readonly for p in pieces)
+    assert b"".join(pieces) == pool.read_page(3).numpy().tobytes()
+    if layout != "page_first":  # whole chunks: one piece per (layer, buffer), fewer where they touch
+        assert len(pieces) <= g.layer_num * len(g.buffers)
+    fresh = bytes(range(256)) * (g.page_bytes // 256) + bytes(g.page_bytes % 256)
+    before = pool.flat.clone()
+    at = 0
+    for piece in pieces:
+        piece[:] = fresh[at : at + piece.nbytes]
+        at += piece.nbytes
+    assert pool.read_page(3).numpy().tobytes() == fresh
+    ref = HostKVPool(g, 5, layout)
+    ref.flat.copy_(before)
+    ref.write_page(3, fresh)
+    assert torch.equal(pool.flat, ref.flat)  # exactly write_page's bytes, no other page touched
+    with pytest.raises(ValueError, match=r"page 5 out of range \[0, 5\)"):
+        pool.page_pieces(5)
+
+
+def test_page_pieces_give_way_to_write_page_for_many_small_rows():
+    g = KVGeometry.from_hf_config(load_config("mimo_v2_flash"), page_size=64)
+    assert HostKVPool(g, 2, "page_first").page_pieces(0) is None  # 64 tokens x 9 layers x 2 buffers rows
+    assert len(HostKVPool(g, 2, "layer_first").page_pieces(1) or []) == 18
+    assert len(HostKVPool(g, 2, "page_first_direct").page_pieces(1) or []) == 1  # the page is one block

@@ -165,3 +165,32 @@ def test_group_commit_flushes_once_per_batch_and_acknowledges_durable_pages(tmp_
     assert tier.batch_set([(key(9), payload(g, 9))]) == [False] and tier.stats().errors == 1
     with pytest.raises(ValueError, match='"fsync" must be true, false or "batch", got \'always\''):
         FileTier(identity(g), tmp_path, fsync="always")
+
+
+def test_batch_read_into_reads_across_iov_max_and_refuses_bad_files(tmp_path, monkeypatch):
+    import hicache.storage.file as file_tier
+
+    monkeypatch.setattr(file_tier, "IOV_MAX", 3)  # 1 header + 9 pieces: four preadv calls per page
+    g = GEOMETRIES["mimo_kv"]
+    tier = FileTier(identity(g), tmp_path)
+    for i in range(4):
+        assert tier.set(key(i), payload(g, i))
+    step = g.page_bytes // 9
+    cuts = [k * step for k in range(9)] + [g.page_bytes]
+    pages = [bytearray(g.page_bytes) for _ in range(4)]
+
+    def pieces_of(i: int) -> list[memoryview]:
+        return [memoryview(pages[i])[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+
+    assert tier.batch_read_into([key(3), key(0)], pieces_of) == 2
+    assert bytes(pages[0]) == payload(g, 3) and bytes(pages[1]) == payload(g, 0)
+    p1 = tier.path_of(key(1))
+    data = bytearray(p1.read_bytes())
+    data[-g.page_bytes // 2] ^= 0x10  # a flipped byte in the middle of the payload
+    p1.write_bytes(data)
+    p2 = tier.path_of(key(2))
+    p2.write_bytes(p2.read_bytes()[:-5])  # a short file: refused by its size, before reading
+    assert tier.batch_read_into([key(1)], pieces_of) == 0 and not p1.exists()
+    assert tier.batch_read_into([key(2)], pieces_of) == 0 and not p2.exists()
+    s = tier.stats()
+    assert (s.hits, s.corrupt, s.misses) == (2, 2, 2)

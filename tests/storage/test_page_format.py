@@ -53,3 +53,23 @@ def test_caller_mistakes_raise_value_error():
         fmt.encode_page(ident, b"x" * 65, payload(g, 0))
     with pytest.raises(ValueError, match="model_id"):
         identity(g, model="")
+
+
+def test_a_page_verified_in_pieces_is_checked_over_every_piece():
+    g = GEOMETRIES["mimo_kv"]
+    ident = identity(g)
+    blob = bytearray(fmt.encode_page(ident, key(1), payload(g, 1)))
+    head_len = fmt.HEADER_BYTES + len(key(1))
+    head, body = memoryview(blob)[:head_len], memoryview(blob)[head_len:]
+    pieces = [body[:10], body[10:10], body[10:5000], body[5000:]]
+    fmt.verify_page(ident, key(1), head, pieces)
+    blob[head_len + 4999] ^= 1  # a flipped byte inside the third piece
+    with pytest.raises(fmt.PageError, match="checksum mismatch"):
+        fmt.verify_page(ident, key(1), head, pieces)
+    blob[head_len + 4999] ^= 1
+    with pytest.raises(fmt.PageError, match="bytes, header says"):
+        fmt.verify_page(ident, key(1), head, pieces[:-1])
+    with pytest.raises(fmt.PageError, match="foreign page: key"):
+        fmt.verify_page(ident, key(2), head, pieces)
+    with pytest.raises(fmt.PageError, match="shorter than the 48-byte header"):
+        fmt.verify_page(ident, key(1), head[:20], pieces)

@@ -105,3 +105,39 @@ def test_factory_errors(tmp_path):
     none = make_tier("none", {}, ident)
     assert not none.enabled and not none.set(key(1), payload(GEOMETRIES["mimo_kv"], 1))
     assert none.get(key(1)) is None and none.batch_exists([key(1)]) == 0
+
+
+def scattered(g, count: int, cuts: tuple[int, ...]) -> tuple[bytearray, list[list[memoryview]], list[list[int]]]:
+    """Per page, writable pieces of one buffer cut at `cuts`, with 7-byte gaps between
+    them: (the buffer, each page's pieces, each page's piece offsets in the buffer)."""
+    sizes = [b - a for a, b in zip((0, *cuts), (*cuts, g.page_bytes), strict=True)]
+    memory = bytearray(count * (g.page_bytes + 7 * len(sizes)))
+    view, at, pages, offsets = memoryview(memory), 0, [], []
+    for _ in range(count):
+        pages.append([])
+        offsets.append([])
+        for n in sizes:
+            pages[-1].append(view[at : at + n])
+            offsets[-1].append(at)
+            at += n + 7
+    return memory, pages, offsets
+
+
+def test_batch_read_into_fills_the_pieces_in_order_and_stops_at_a_miss(make):
+    g = GEOMETRIES["mimo_kv"]
+    tier = make(identity(g))
+    assert tier.batch_set([(key(i), payload(g, i)) for i in range(3)]) == [True] * 3
+    memory, pages, offsets = scattered(g, 4, (1, 100, g.page_bytes // 2))
+    assert tier.batch_read_into([key(0), key(2), key(1), key(9)], pages.__getitem__) == 3
+    expected = bytearray(len(memory))  # the payloads at the pieces' places; gaps and the missed page zero
+    for slot, i in enumerate((0, 2, 1)):
+        data, at = payload(g, i), 0
+        for piece, offset in zip(pages[slot], offsets[slot], strict=True):
+            expected[offset : offset + piece.nbytes] = data[at : at + piece.nbytes]
+            at += piece.nbytes
+    assert memory == expected
+    assert tier.stats().hits == 3
+    with pytest.raises(ValueError, match=f"add up to {g.page_bytes - 1} bytes, not the page's {g.page_bytes}"):
+        tier.batch_read_into([key(0)], lambda i: [pages[0][0], pages[0][1], pages[0][2], pages[0][3][1:]])
+    with pytest.raises(ValueError, match="writable contiguous byte view"):
+        tier.batch_read_into([key(0)], lambda i: [memoryview(payload(g, 0))])
