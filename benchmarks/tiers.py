@@ -5,7 +5,8 @@
   batch_read (each page read into a reused buffer, then copied into a page buffer), and
   batch_read_into a layer_first HostKVPool (what the cache's fetch does: each file read
   with one preadv straight into the page's chunks, then verified there), against the same
-  plain read into a reused buffer.
+  plain read into a reused buffer; read_pool_speedup is that fetch over the same one through
+  the tier's buffer and write_page (tier_read_pool_copy_GBps), in the same rounds.
   Reads come from the page cache; a second read baseline keeps each page in a new buffer
   per batch, as batch_get must (its cost is mostly page faults on fresh memory).
 - redis tier: pages/s and GB/s against a raw redis-py pipeline SET / GET of the same
@@ -125,11 +126,25 @@ def bench_file(
                 pieces_of = functools.partial(lambda base, i: host.page_pieces(base + i), s)
                 assert tier.batch_read_into(keys[s : s + BATCH], pieces_of) == len(keys[s : s + BATCH])
 
-        order = (plain_write, tier_write, plain_read, plain_read_kept, tier_read, tier_read_into, tier_read_pool)
+        def tier_read_pool_copy() -> None:  # the same through the tier's buffer and write_page
+            for s in range(0, len(keys), BATCH):
+                sink = functools.partial(lambda base, i, data: host.write_page(base + i, data), s)
+                assert tier.batch_read(keys[s : s + BATCH], sink) == len(keys[s : s + BATCH])
+
+        order = (
+            plain_write,
+            tier_write,
+            plain_read,
+            plain_read_kept,
+            tier_read,
+            tier_read_into,
+            tier_read_pool,
+            tier_read_pool_copy,
+        )
         rounds = [[timed(fn) for fn in order] for _ in range(repeat)]  # reads all from the page cache
         assert bytes(host.read_page(len(keys) - 1).numpy()) == items[-1][1]
         tier.check_integrity()
-    pw, tw, pr, pk, tr, ti, tp = (statistics.median(r[i] for r in rounds) for i in range(len(order)))
+    pw, tw, pr, pk, tr, ti, tp, tc = (statistics.median(r[i] for r in rounds) for i in range(len(order)))
 
     def ratio(limit: int, measured: int) -> float:
         return statistics.median(r[limit] / r[measured] for r in rounds)
@@ -151,6 +166,8 @@ def bench_file(
         "read_into_ratio": ratio(2, 5),
         "tier_read_pool_GBps": nbytes / tp / 1e9,
         "read_pool_ratio": ratio(2, 6),
+        "tier_read_pool_copy_GBps": nbytes / tc / 1e9,
+        "read_pool_speedup": ratio(7, 6),
     }
 
 
@@ -343,7 +360,8 @@ def main() -> None:
             f"vs {r['plain_read_GBps']:.2f} (ratio {r['read_ratio']:.2f}; vs {r['plain_read_kept_GBps']:.2f} "
             f"into kept buffers, ratio {r['read_ratio_kept']:.2f}); batch_read into a page "
             f"{r['tier_read_into_GBps']:.2f} (ratio {r['read_into_ratio']:.2f}); into a layer_first host pool "
-            f"{r['tier_read_pool_GBps']:.2f} (ratio {r['read_pool_ratio']:.2f})"
+            f"{r['tier_read_pool_GBps']:.2f} (ratio {r['read_pool_ratio']:.2f}; through write_page "
+            f"{r['tier_read_pool_copy_GBps']:.2f}, {r['read_pool_speedup']:.2f} x slower)"
         )
     for name, label in (("redis", "redis tier"), ("redis_cluster", "redis-cluster tier (3+3 nodes)")):
         r = result.get(name)
