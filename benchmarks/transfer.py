@@ -25,6 +25,7 @@ drawn from pools twice the transfer size. Ratios:
   offload_kernel_ratio / reload_kernel_ratio  (CUDA) the Triton kernels of the same transfer
                                 launched directly, without the engine (checks, streams,
                                 events), over memcpy: what the engine's own costs take away
+                                where the engine used the kernels too (cuda_paths "kernel")
 memcpy is `dst.copy_(src)` of pages * page_bytes contiguous bytes between the two pools' memory.
 With the CPU "native" backend, which writes with streaming (non-temporal) stores, the same
 contiguous bytes are also copied by that C code over the same threads ("stream memcpy", the

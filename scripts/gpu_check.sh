@@ -24,7 +24,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     [ -e "$f" ] || { echo "gpu-check: $f is missing" >&2; exit 1; }
   done
   "$PY" -m py_compile scripts/gpu_ipc_check.py scripts/gpu_check_report.py benchmarks/transfer.py
-  echo "gpu-check dry run: wheels, build, tests (${TESTS[*]}), transfer --device cuda x ${#LAYOUTS[@]} layouts, ipc, report: every file present"
+  echo "gpu-check dry run: wheels, build, tests (${TESTS[*]}), transfer --device cuda x ${#LAYOUTS[@]} layouts + page 16, ipc, report: every file present"
   exit 0
 fi
 

@@ -1,6 +1,6 @@
 """HierarchicalCache: the host pool, its index and a storage tier, with write and prefetch
 policies. The control path of the sidecar; it touches page bytes only through the pool's
-read_page/write_page and never imports torch.
+read_page/write_page and page_pieces (the views a fetch reads into), and never imports torch.
 
 Locking: one lock (`_lock`) guards the HostIndex and every map here (pending keys, queued
 writes, hit counts, stored flags, counters). It is never held across storage I/O or a page

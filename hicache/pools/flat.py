@@ -96,6 +96,8 @@ class FlatPool:
         would be more than MAX_PAGE_PIECES pieces (page_first's token rows): write_page
         copies into those instead. Raises ValueError for a page out of range."""
         self._check_page(page)
+        if self.memory.closed:
+            raise ValueError("the pool's memory is closed")
         template = self._piece_template
         if template is None or self.flat.is_cuda:
             return None

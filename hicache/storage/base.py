@@ -190,7 +190,7 @@ class StorageTier(ABC):
         def sink(i: int, payload: memoryview) -> None:
             at = 0
             for piece in check_pieces(pieces_of(i), self.identity.page_bytes):
-                piece[:] = payload[at : at + piece.nbytes]
+                piece.cast("B")[:] = payload[at : at + piece.nbytes]
                 at += piece.nbytes
 
         return self.batch_read(keys, sink)

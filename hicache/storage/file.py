@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 PAGE_SUFFIX = ".page"
 TMP_SUFFIX = ".tmp"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # buffers per preadv
+IOV_MAX = max(0, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 0) or 1024  # buffers per preadv
 R = TypeVar("R")
 
 
@@ -182,7 +182,11 @@ class FileTier(StorageTier):
         def read(fd: int) -> int:
             got = 0
             for at in range(0, len(iovecs), IOV_MAX):
-                got += os.preadv(fd, iovecs[at : at + IOV_MAX], got)
+                group = iovecs[at : at + IOV_MAX]
+                n = os.preadv(fd, group, got)
+                got += n
+                if n < sum(v.nbytes for v in group):  # short (the file changed): the rest would land misplaced
+                    break
             return got
 
         def verify(got: int) -> bool:

@@ -4,7 +4,7 @@
   the layer_first device pool and a layer_first or page_first_direct host pool) go as one
   `copy_(non_blocking=True)` each, which torch issues as a cudaMemcpyAsync on pinned memory.
 - Everything else, and small chunks, goes through the Triton kernels (one program per
-  part of a (page, layer) chunk, one launch per buffer), which beat many small memcpys.
+  (page, layer) chunk, one launch per buffer), which beat many small memcpys.
   The copy engines' cuMemcpyBatchAsync was measured on an H200 and lost to the kernels at
   these piece sizes (README, "GPU figures"), so it is not used.
 - Offloads run on a write stream and reloads on a load stream, each ordered after the
@@ -17,6 +17,7 @@ The piece planning and the memcpy path are plain numpy and torch and are tested 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal
@@ -30,7 +31,7 @@ MEMCPY_MIN_BYTES = 256 << 10  # mean contiguous piece from which memcpy beats th
 Path = Literal["memcpy", "kernel"]
 Segment = tuple[int, int, int]  # (src byte offset, dst byte offset, bytes)
 Pieces = tuple[np.ndarray, np.ndarray, np.ndarray]  # src offsets, dst offsets, bytes: (layers, pieces) each
-GroupCopy = Callable[[tuple[int, ...], slice], Path]
+GroupCopy = Callable[[slice], Path]  # queues the layer group plan.layers[rows]; names its path
 StreamHook = Callable[[int], None]  # called with the copy stream (a cudaStream_t as int)
 LayerHook = Callable[[int, int], None]  # (the layer's position in the plan, the copy stream)
 
@@ -64,7 +65,8 @@ def memcpy_pieces(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tupl
 
 
 def memcpy_segments(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tuple[int, ...]) -> list[Segment] | None:
-    """memcpy_pieces as a list of (src offset, dst offset, bytes), in layer order."""
+    """memcpy_pieces as a list of (src offset, dst offset, bytes), in layer order (for tests
+    and tools; the copier slices memcpy_pieces' arrays itself)."""
     pieces = memcpy_pieces(src, dst, plan, layers)
     if pieces is None:
         return None
@@ -120,7 +122,8 @@ class CudaCopier:
         self.mode = mode
         self.write_stream = torch.cuda.Stream(device=device)
         self.load_stream = torch.cuda.Stream(device=device)
-        self.paths: Counter[str] = Counter()
+        self.paths: Counter[Path] = Counter()
+        self._paths_lock = threading.Lock()  # offloads and reloads run from different threads
 
     def run(
         self,
@@ -148,13 +151,14 @@ class CudaCopier:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if before is not None:
             before(stream.cuda_stream)
-        groups = [(layer,) for layer in plan.layers] if per_layer else [plan.layers]
-        copy = self._copier(src, dst, plan)
+        groups = [slice(i, i + 1) for i in range(len(plan.layers))] if per_layer else [slice(0, len(plan.layers))]
+        copy = group_copier(src, dst, plan, self.mode)
         events = []
         with torch.cuda.stream(stream):
-            for position, layers in enumerate(groups):
-                first = position if per_layer else 0
-                self.paths[copy(layers, slice(first, first + len(layers)))] += 1
+            for position, rows in enumerate(groups):
+                path = copy(rows)
+                with self._paths_lock:
+                    self.paths[path] += 1
                 event = torch.cuda.Event()
                 event.record(stream)
                 events.append(event)
@@ -164,25 +168,26 @@ class CudaCopier:
             stream.synchronize()
         return events
 
-    def _copier(self, src: FlatPool, dst: FlatPool, plan: TransferPlan) -> GroupCopy:
-        """The function that queues one layer group (its layers, and their rows in the plan's
-        layer order) on the current stream and names the path it took. The choice is
-        counted, not listed: listing a large transfer's pieces first would cost time even
-        when the kernels copy it."""
-        if self.mode == "triton" or choose_path(mean_piece_bytes(src, dst, plan)) == "kernel":
 
-            def kernel(layers: tuple[int, ...], rows: slice) -> Path:
-                from hicache.transfer.triton_kernels import copy_pages_triton
+def group_copier(src: FlatPool, dst: FlatPool, plan: TransferPlan, mode: Literal["auto", "triton"]) -> GroupCopy:
+    """The function that queues one layer group of `plan` (plan.layers[rows]) on the current
+    stream and names the path it took: memcpy (mode "auto" and large contiguous pieces,
+    choose_path) or the kernels. The choice is counted, not listed: listing a large
+    transfer's pieces first would cost time even when the kernels copy it."""
+    if mode == "triton" or choose_path(mean_piece_bytes(src, dst, plan)) == "kernel":
 
-                copy_pages_triton(src, dst, layer_plan(plan, layers))
-                return "kernel"
+        def kernel(rows: slice) -> Path:
+            from hicache.transfer.triton_kernels import copy_pages_triton
 
-            return kernel
-        pieces = memcpy_pieces(src, dst, plan, plan.layers)
-        assert pieces is not None
+            copy_pages_triton(src, dst, layer_plan(plan, plan.layers[rows]))
+            return "kernel"
 
-        def memcpy(layers: tuple[int, ...], rows: slice) -> Path:
-            copy_segments(src, dst, list(zip(*(a[rows].ravel().tolist() for a in pieces), strict=True)))
-            return "memcpy"
+        return kernel
+    pieces = memcpy_pieces(src, dst, plan, plan.layers)
+    assert pieces is not None  # choose_path said every chunk is contiguous
 
-        return memcpy
+    def memcpy(rows: slice) -> Path:
+        copy_segments(src, dst, list(zip(*(a[rows].ravel().tolist() for a in pieces), strict=True)))
+        return "memcpy"
+
+    return memcpy

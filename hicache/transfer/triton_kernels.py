@@ -3,8 +3,8 @@
 One program copies one (page, layer) chunk of one buffer, a 2-D tile of rows at a time: a
 chunk that is contiguous on both sides is cut into rows of WHOLE_ROW_BYTES (so its tiles
 are as large as a strided chunk's), a strided one has a row per token. All layers go in one
-launch through tables of per-layer chunk offsets, uploaded in one copy per transfer with
-the page lists; K, V and scale buffers get one launch each, so each has its own row width.
+launch through tables of per-layer chunk offsets, uploaded with the page lists in one copy
+per call (a layer-wise transfer makes one call per layer); K, V and scale buffers get one launch each, so each has its own row width.
 Cutting chunks into parts for several programs was measured on an H200 and did not help
 (README, "GPU figures"). Where every address, stride and width is 16-byte aligned (all
 real geometries), rows move as 16-byte vectors (ld.global.v4.b32; tests/test_triton_ptx.py

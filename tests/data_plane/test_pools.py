@@ -221,6 +221,10 @@ def test_page_pieces_are_the_page_in_canonical_order_and_write_through(g, layout
     assert torch.equal(pool.flat, ref.flat)  # exactly write_page's bytes, no other page touched
     with pytest.raises(ValueError, match=r"page 5 out of range \[0, 5\)"):
         pool.page_pieces(5)
+    del pieces
+    pool.close()
+    with pytest.raises(ValueError, match="the pool's memory is closed"):
+        pool.page_pieces(0)
 
 
 def test_page_pieces_give_way_to_write_page_for_many_small_rows():

@@ -141,3 +141,22 @@ def test_the_counted_mean_piece_is_that_of_the_listed_pieces(layout: str, pages:
         assert mean is None
     else:
         assert mean == sum(n for _, _, n in segments) / len(segments)
+
+
+def test_the_group_copier_copies_exactly_its_layer_group_by_memcpy():
+    """Long page runs between layer_first pools: memcpy, one layer group at a time."""
+    from hicache.transfer.cuda import group_copier
+
+    g = mimo(page_size=64)  # 96 / 64 KiB chunks; a run of 8 pages is one 768 / 512 KiB piece
+    dev, host = DeviceKVPool(g, 16), HostKVPool(g, 16, "layer_first")
+    fill_random(dev, 9)
+    plan = TransferEngine(dev, host).offload_plan(list(range(8)) + [12], list(range(4, 12)) + [0])
+    copy = group_copier(dev, host, plan, "auto")
+    assert copy(slice(2, 3)) == "memcpy" and copy(slice(0, 1)) == "memcpy"
+    for d, h in zip(plan.src_pages.tolist(), plan.dst_pages.tolist(), strict=True):
+        assert same_page(dev, d, host, h, layers=[0, 2])
+        assert not same_page(dev, d, host, h, layers=[1])  # not copied yet
+    assert copy(slice(1, g.layer_num)) == "memcpy"
+    for d, h in zip(plan.src_pages.tolist(), plan.dst_pages.tolist(), strict=True):
+        assert same_page(dev, d, host, h)
+    assert all(int(host.read_page(p).count_nonzero()) == 0 for p in (1, 2, 3, 12, 13, 14, 15))  # outside the plan
