@@ -88,7 +88,16 @@ class WritePolicyMixin:
         self._write_done(rejected, [False] * len(rejected), counted=True)
 
     def _read_job(self, job: WriteJob) -> Buffer | None:
-        return None if job.page is None else self._page_bytes(job.page)
+        """The bytes of a queued page. The job holds a reference on its host page until
+        _write_done, so a page that is one contiguous piece in canonical order (a
+        page_first_direct pool) is written straight from the pool, with no copy."""
+        if job.page is None:
+            return None
+        pieces = getattr(self.pool, "page_pieces", None)
+        whole = pieces(job.page) if pieces is not None else None
+        if whole is not None and len(whole) == 1:
+            return whole[0]
+        return self._page_bytes(job.page)
 
     def _write_done(self, jobs: list[WriteJob], ok: list[bool], counted: bool = False) -> None:
         with self._lock:

@@ -258,3 +258,30 @@ def test_a_fetch_lands_exact_pages_in_every_layout(tmp_path, layout, page_size):
     finally:
         cache.close()
         pool.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_pages_written_to_storage_are_exact_and_page_first_direct_ones_uncopied(tmp_path, layout):
+    import numpy as np
+    from conftest import load_config
+
+    from hicache.cache.writer import WriteJob
+    from hicache.geometry import KVGeometry
+    from hicache.storage.file import FileTier
+
+    g = KVGeometry.from_hf_config(load_config("mimo_v2_flash"), page_size=4)
+    tier = FileTier(identity(g), tmp_path, fsync=False)
+    pool = HostKVPool(g, 4, layout)
+    cache = HierarchicalCache(pool, tier)  # write_through: every put is stored
+    try:
+        assert cache.put([key(i) for i in range(3)], [payload(g, i) for i in range(3)]) and cache.flush(60)
+        assert all(bytes(tier.get(key(i)) or b"") == payload(g, i) for i in range(3))
+        page = cache.index.page_of(key(1))
+        assert page is not None
+        data = cache._read_job(WriteJob(key(1), page))  # what the writer hands the tier
+        assert data is not None and bytes(data) == payload(g, 1)
+        shares = np.shares_memory(np.frombuffer(data, dtype=np.uint8), pool.flat.numpy())
+        assert shares == (layout == "page_first_direct")  # one contiguous piece: the pool's own bytes
+    finally:
+        cache.close()
+        pool.close()
