@@ -140,7 +140,7 @@ class FetchMixin(WritePolicyMixin):
         self.pool.write_page(pages[i], data)
 
     def _fetched_pieces(self, pages: list[int], i: int) -> list[memoryview]:
-        pieces = self.pool.page_pieces(pages[i])
+        pieces = self._page_pieces(pages[i])
         if pieces is None:
             raise RuntimeError(f"host page {pages[i]} has no pieces, but the first page of its batch had")
         return pieces
@@ -149,8 +149,7 @@ class FetchMixin(WritePolicyMixin):
         """Read `keys` from storage into `pages`, straight into the pages' bytes where the
         pool gives them (page_pieces: the same for every page of a pool), else through the
         tier's buffer and write_page."""
-        pieces = getattr(self.pool, "page_pieces", None)
-        if pieces is not None and pieces(pages[0]) is not None:
+        if self._page_pieces(pages[0]) is not None:
             return self.storage.batch_read_into(keys, functools.partial(self._fetched_pieces, pages))
         return self.storage.batch_read(keys, functools.partial(self._write_fetched, pages))
 

@@ -93,11 +93,16 @@ class WritePolicyMixin:
         page_first_direct pool) is written straight from the pool, with no copy."""
         if job.page is None:
             return None
-        pieces = getattr(self.pool, "page_pieces", None)
-        whole = pieces(job.page) if pieces is not None else None
-        if whole is not None and len(whole) == 1:
-            return whole[0]
+        pieces = self._page_pieces(job.page)
+        if pieces is not None and len(pieces) == 1:
+            return pieces[0]
         return self._page_bytes(job.page)
+
+    def _page_pieces(self, page: int) -> list[memoryview] | None:
+        """The pool's writable views of `page` in canonical order (page_pieces), or None
+        where it has none (a GPU pool, too many rows, or a pool without the method)."""
+        pieces = getattr(self.pool, "page_pieces", None)
+        return pieces(page) if pieces is not None else None
 
     def _write_done(self, jobs: list[WriteJob], ok: list[bool], counted: bool = False) -> None:
         with self._lock:

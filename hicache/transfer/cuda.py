@@ -68,9 +68,12 @@ def memcpy_segments(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: tu
     """memcpy_pieces as a list of (src offset, dst offset, bytes), in layer order (for tests
     and tools; the copier slices memcpy_pieces' arrays itself)."""
     pieces = memcpy_pieces(src, dst, plan, layers)
-    if pieces is None:
-        return None
-    return list(zip(*(a.ravel().tolist() for a in pieces), strict=True))
+    return None if pieces is None else as_segments(pieces, slice(None))
+
+
+def as_segments(pieces: Pieces, rows: slice) -> list[Segment]:
+    """The rows (layers) `rows` of memcpy_pieces' arrays as (src offset, dst offset, bytes)."""
+    return list(zip(*(a[rows].ravel().tolist() for a in pieces), strict=True))
 
 
 def mean_piece_bytes(src: FlatPool, dst: FlatPool, plan: TransferPlan) -> float | None:
@@ -187,7 +190,7 @@ def group_copier(src: FlatPool, dst: FlatPool, plan: TransferPlan, mode: Literal
     assert pieces is not None  # choose_path said every chunk is contiguous
 
     def memcpy(rows: slice) -> Path:
-        copy_segments(src, dst, list(zip(*(a[rows].ravel().tolist() for a in pieces), strict=True)))
+        copy_segments(src, dst, as_segments(pieces, rows))
         return "memcpy"
 
     return memcpy
