@@ -144,7 +144,7 @@ static int is_int64_format(const char *format) {
 }
 
 /* PyArg "O&" converter: a Python int in [0, 2**64) as an address (OverflowError otherwise). */
-static int to_address(PyObject *obj, void *out) {
+int to_address(PyObject *obj, void *out) {
     unsigned long long value = PyLong_AsUnsignedLongLong(obj);
     if (value == (unsigned long long)-1 && PyErr_Occurred())
         return 0;
@@ -264,16 +264,6 @@ static PyObject *wait_progress(PyObject *self, PyObject *args) {
 
 /* ---- one call, several threads ------------------------------------------------------ */
 
-typedef struct {
-    char *dst;
-    const char *src;
-    CopyDesc *descs;
-    int64_t *ends;
-    Py_ssize_t layers, group;
-    int streaming;
-    uint32_t *progress;
-} Share;
-
 static void run_share(const Share *sh) {
     for (Py_ssize_t i = 0; i < sh->layers; i++) {
         int64_t first = i == 0 ? 0 : sh->ends[i - 1];
@@ -327,7 +317,7 @@ static int64_t *load_ends(PyObject *ends_obj, Py_ssize_t n, Py_ssize_t *layers_o
     return ends;
 }
 
-static void free_shares(Share *shares, Py_ssize_t count) {
+void free_shares(Share *shares, Py_ssize_t count) {
     for (Py_ssize_t i = 0; i < count; i++) {
         PyMem_Free(shares[i].descs);
         PyMem_Free(shares[i].ends);
@@ -335,20 +325,8 @@ static void free_shares(Share *shares, Py_ssize_t count) {
     PyMem_Free(shares);
 }
 
-/* copy_shares(dst_addr, dst_size, src_addr, src_size, shares, group, streaming, progress_addrs):
- * shares is a sequence of (descriptors, layer_ends), progress_addrs one address (0: none) per
- * share. Share 0 runs in the calling thread, the others each on a thread of its own; returns
- * when all are done. Everything is checked before any copy starts. */
-static PyObject *copy_shares(PyObject *self, PyObject *args) {
-    uintptr_t dst_addr, src_addr;
-    long long dst_size, src_size;
-    PyObject *shares_obj, *progress_obj;
-    Py_ssize_t group;
-    int streaming;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "O&LO&LOnpO", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
-                          &shares_obj, &group, &streaming, &progress_obj))
-        return NULL;
+Share *load_shares(uintptr_t dst_addr, long long dst_size, uintptr_t src_addr, long long src_size,
+                   PyObject *shares_obj, Py_ssize_t group, int streaming, PyObject *progress_obj, Py_ssize_t *count_out) {
     if (check_buffers(dst_addr, dst_size, src_addr, src_size, group) < 0)
         return NULL;
     PyObject *seq = PySequence_Fast(shares_obj, "shares must be a sequence of (descriptors, layer_ends)");
@@ -360,17 +338,19 @@ static PyObject *copy_shares(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    if (count < 1 || count > 64 || PySequence_Fast_GET_SIZE(pseq) != count) {
+    if (count < 1 || count > MAX_SHARES || PySequence_Fast_GET_SIZE(pseq) != count) {
+        PyErr_Format(PyExc_ValueError, "need 1 to %d shares and one progress address each, got %zd and %zd",
+                     MAX_SHARES, count, PySequence_Fast_GET_SIZE(pseq));
         Py_DECREF(seq);
         Py_DECREF(pseq);
-        return PyErr_Format(PyExc_ValueError, "need 1 to 64 shares and one progress address each, got %zd and %zd",
-                            count, PySequence_Fast_GET_SIZE(pseq));
+        return NULL;
     }
     Share *shares = PyMem_Calloc((size_t)count, sizeof(Share));
     if (shares == NULL) {
         Py_DECREF(seq);
         Py_DECREF(pseq);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return NULL;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
@@ -398,12 +378,21 @@ static PyObject *copy_shares(PyObject *self, PyObject *args) {
     }
     Py_DECREF(seq);
     Py_DECREF(pseq);
-    int failed = 0;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_t threads[64];
+    *count_out = count;
+    return shares;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(pseq);
+    free_shares(shares, count);
+    return NULL;
+}
+
+int run_shares(const Share *shares, Py_ssize_t count) {
+    pthread_t threads[MAX_SHARES];
     Py_ssize_t started = 0;
+    int failed = 0;
     for (Py_ssize_t i = 1; i < count; i++) {
-        if (pthread_create(&threads[i], NULL, share_thread, &shares[i]) != 0)
+        if (pthread_create(&threads[i], NULL, share_thread, (void *)&shares[i]) != 0)
             break;
         started = i;
     }
@@ -412,16 +401,34 @@ static PyObject *copy_shares(PyObject *self, PyObject *args) {
         run_share(&shares[i]);
     for (Py_ssize_t i = 1; i <= started; i++)
         failed |= pthread_join(threads[i], NULL) != 0;
+    return failed;
+}
+
+/* copy_shares(dst_addr, dst_size, src_addr, src_size, shares, group, streaming, progress_addrs):
+ * shares is a sequence of (descriptors, layer_ends), progress_addrs one address (0: none) per
+ * share. Share 0 runs in the calling thread, the others each on a thread of its own; returns
+ * when all are done. Everything is checked before any copy starts. */
+static PyObject *copy_shares(PyObject *self, PyObject *args) {
+    uintptr_t dst_addr, src_addr;
+    long long dst_size, src_size;
+    PyObject *shares_obj, *progress_obj;
+    Py_ssize_t group, count;
+    int streaming, failed;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O&LO&LOnpO", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
+                          &shares_obj, &group, &streaming, &progress_obj))
+        return NULL;
+    Share *shares =
+        load_shares(dst_addr, dst_size, src_addr, src_size, shares_obj, group, streaming, progress_obj, &count);
+    if (shares == NULL)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    failed = run_shares(shares, count);
     Py_END_ALLOW_THREADS
     free_shares(shares, count);
     if (failed)
         return PyErr_Format(PyExc_OSError, "a copy thread could not be joined");
     Py_RETURN_NONE;
-fail:
-    Py_DECREF(seq);
-    Py_DECREF(pseq);
-    free_shares(shares, count);
-    return NULL;
 }
 
 static PyMethodDef methods[] = {
@@ -457,7 +464,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "HAVE_STREAMING_STORES", HICACHE_HAVE_STREAM) < 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "HAVE_STREAMING_STORES", HICACHE_HAVE_STREAM) < 0 ||
+                      add_copy_queue(m) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

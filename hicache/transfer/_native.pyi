@@ -1,4 +1,4 @@
-# Stub for the C extension built from _native.c and _native_plan.c (see hicache/transfer/native.py).
+# Stub for the C extension built from _native.c, _native_plan.c and _native_queue.c (see hicache/transfer/native.py).
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,3 +32,21 @@ def merge_descriptors(descs: Any, positions: Any, layers: int, cap: int, /) -> t
 def split_descriptors(
     descs: Any, layer_ends: Any, group: int, shares: int, per_layer: bool, /
 ) -> list[tuple[bytearray, bytearray]]: ...
+
+class CopyQueue:
+    def __init__(self) -> None: ...
+    def submit(
+        self,
+        dst_addr: int,
+        dst_size: int,
+        src_addr: int,
+        src_size: int,
+        shares: Sequence[tuple[Any, Any]],
+        group: int,
+        streaming: bool,
+        progress_addrs: Sequence[int],
+        keep: object,
+        /,
+    ) -> None: ...
+    def pending(self) -> int: ...
+    def close(self) -> None: ...

@@ -8,7 +8,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -22,6 +22,9 @@ from hicache.transfer.plan import PageList, TransferPlan, as_pages, make_plan
 from hicache.transfer.progress import ProgressWords
 from hicache.transfer.writers import WriterRegistry
 from hicache.validate import is_int
+
+if TYPE_CHECKING:
+    from hicache.transfer._native import CopyQueue
 
 Backend = Literal["auto", "native", "torch", "triton"]
 MAX_SHARES = 64  # the most threads one C copy call runs (copy_shares)
@@ -50,7 +53,8 @@ class TransferEngine:
     the kernels (on a CPU pool only under TRITON_INTERPRET=1, for tests).
 
     offload/reload block until done; offload_async/reload_async return a TransferHandle
-    with per-layer completion. Only one transfer at a time may write a given page: a
+    with per-layer completion, and run one after another in the order they were started
+    (on CPU, those below native.LAYERED_INLINE_BYTES are copied before they return). Only one transfer at a time may write a given page: a
     transfer whose destination pages overlap an unfinished one's raises ValueError.
     Call close() (or use `with`) to stop the engine's threads.
 
@@ -95,7 +99,8 @@ class TransferEngine:
         self._writers = WriterRegistry()
         self._lock = threading.Lock()
         self._copier: CpuCopier | None = None
-        self._driver: ThreadPoolExecutor | None = None
+        self._driver: ThreadPoolExecutor | None = None  # asynchronous transfers of the torch backend
+        self._queue: CopyQueue | None = None  # those of the native backend (a C thread)
 
     # ---- validation ------------------------------------------------------------------------
     def offload_plan(self, device_pages: PageList, host_pages: PageList) -> TransferPlan:
@@ -212,10 +217,13 @@ class TransferEngine:
                 if progress is not None:
                     progress.reset()
                 cpu_handle = CpuTransferHandle(plan.layers, nbytes, pool, pages, progress)
-                if self.backend == "native" and nbytes < native.LAYERED_INLINE_BYTES:
+                if self.backend != "native":
+                    self._driver_pool().submit(self._drive, src, dst, plan, cpu_handle)
+                elif nbytes < native.LAYERED_INLINE_BYTES:
                     self._drive(src, dst, plan, cpu_handle)  # small: here, no hand-off to a thread
                 else:
-                    self._driver_pool().submit(self._drive, src, dst, plan, cpu_handle)
+                    assert progress is not None
+                    self._queue_all_layers(src, dst, plan, progress)
                 handle = cpu_handle
             register(handle.done)
         return handle
@@ -245,13 +253,28 @@ class TransferEngine:
             handle.finish()
 
     def _copy_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords) -> None:
-        """Every layer in one C call, its shares on threads of the C code's own (no Python
-        thread hand-offs), each publishing its layers into its word."""
+        """Every layer in one C call in this thread, one share, publishing into words[0]."""
         batch = native.layered(src, dst, plan, plan.layers)
-        shares = max(1, min(len(words), self.shares)) if batch.nbytes >= native.LAYERED_INLINE_BYTES else 1
+        self._publish_spares(words, 1, len(plan.layers))
+        native.layered_call(src, dst, batch, words.addresses[:1])()
+
+    def _queue_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords) -> None:
+        """Plan every layer here (the GIL is held anyway) and queue the copy on the C queue,
+        whose thread starts it without the GIL: its shares, on threads of the C code's own,
+        publish their layers into the words, the handle's only news of the copy."""
+        batch = native.layered(src, dst, plan, plan.layers)
+        shares = max(1, min(len(words), self.shares))
+        self._publish_spares(words, shares, len(plan.layers))
+        with self._lock:
+            if self._queue is None:
+                self._queue = native.copy_queue()
+            queue = self._queue
+        native.layered_submit(queue, src, dst, batch, words.addresses[:shares], (src, dst, words))
+
+    @staticmethod
+    def _publish_spares(words: ProgressWords, shares: int, layers: int) -> None:
         for spare in range(shares, len(words)):  # words no share writes: done from the start
-            words.publish(spare, len(plan.layers))
-        native.layered_call(src, dst, batch, words.addresses[:shares])()
+            words.publish(spare, layers)
 
     # ---- execution -------------------------------------------------------------------------
     def _run(self, src: Pool, dst: Pool, plan: TransferPlan, *, load: bool, before: StreamHook | None = None) -> None:
@@ -298,10 +321,12 @@ class TransferEngine:
     def close(self) -> None:
         """Finish queued asynchronous transfers and stop the engine's threads. Idempotent."""
         with self._lock:
-            driver, copier = self._driver, self._copier
-            self._driver = self._copier = None
+            driver, copier, queue = self._driver, self._copier, self._queue
+            self._driver = self._copier = self._queue = None
         if driver is not None:
             driver.shutdown(wait=True)
+        if queue is not None:
+            queue.close()
         if copier is not None:
             copier.close()
 

@@ -5,8 +5,8 @@ A transfer copies its layers in order (plan.layers, ascending pool-local indices
 
 - `CpuTransferHandle`: filled in by the engine's transfer thread, which publishes each
   layer as its copies finish. wait_layer blocks the calling thread. With progress words
-  (the native path), the C copy publishes each layer itself and wait_layer waits on the
-  words' futexes without the GIL.
+  (the native path), the C copy publishes each layer itself and wait and wait_layer wait
+  on the words' futexes without the GIL; a copy on the C queue tells nothing else.
 - `CudaTransferHandle`: one CUDA event per layer, recorded on the engine's load (or
   write) stream. wait_layer makes the caller's current CUDA stream wait for the event,
   so kernels queued afterwards see the layer, without blocking the host.
@@ -104,6 +104,14 @@ class CpuTransferHandle(TransferHandle):
     def wait(self, timeout: float | None = None) -> int:
         if self._finished and self._error is None:  # set once, never cleared: no lock needed
             return self.nbytes
+        if self.words is not None and self.layers:  # a queued C copy publishes only there
+            if not self.words.wait(len(self.layers), timeout):
+                raise TimeoutError(
+                    f"transfer not finished after {timeout} s ({self.layers_ready}/{len(self.layers)} layers)"
+                )
+            if self.words.done() != FAILED:
+                return self.nbytes
+            # FAILED: finish() is on its way with the error
         with self._cond:
             if not self._cond.wait_for(lambda: self._finished, timeout):
                 raise TimeoutError(f"transfer not finished after {timeout} s ({self._ready}/{len(self.layers)} layers)")

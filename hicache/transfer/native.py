@@ -7,11 +7,13 @@ For a large transfer this planning is C (_native_plan.c) that holds the GIL: num
 hand the GIL to any other busy Python thread on every large operation. The C extension
 (_native.c) copies a whole descriptor array per call with the GIL released, cut into shares
 that run on threads of its own (batch_call), so the Python cost is per transfer, not per
-page, and no Python thread hands work to another. A
-layer-wise transfer is one such call too (layered, layered_call): each share publishes
-the layers it has done into a progress word. Transfers below SMALL_BYTES are copied by the
-calling thread, unsorted, their descriptors made from a cached page template; those of
-STREAM_MIN_BYTES or more use non-temporal stores.
+page, and no Python thread hands work to another. A layer-wise transfer is one such call
+too (layered, layered_call): each share publishes the layers it has done into a progress
+word. An asynchronous one is queued instead (layered_submit) on a C thread that never takes
+the GIL, so a busy Python thread cannot delay its start, and its words alone tell when it
+is done. Transfers below SMALL_BYTES are copied by the calling thread, unsorted, their
+descriptors made from a cached page template; those of STREAM_MIN_BYTES or more use
+non-temporal stores.
 
 Without the compiled extension (no C compiler at install time) available() is False and
 the engine uses torch copies instead.
@@ -32,6 +34,7 @@ from hicache.transfer.plan import TransferPlan
 if TYPE_CHECKING:
     from hicache.pools.flat import FlatPool
     from hicache.pools.layouts import Layout
+    from hicache.transfer._native import CopyQueue
 
 _native: ModuleType | None
 try:
@@ -278,11 +281,33 @@ def layered_call(
     (the first in the calling thread) and publishing its layers into its word (an address;
     0: none), without the GIL; returns when all shares are done."""
     assert _native is not None, "the hicache C extension is not built"
+    return partial(_native.copy_shares, *_layered_args(src, dst, batch, progress, streaming))
+
+
+def copy_queue() -> CopyQueue:
+    """A queue of asynchronous transfers, run in order on a C thread that never takes the GIL
+    (_native_queue.c); see layered_submit."""
+    assert _native is not None, "the hicache C extension is not built"
+    return _native.CopyQueue()
+
+
+def layered_submit(
+    queue: CopyQueue, src: FlatPool, dst: FlatPool, batch: LayeredBatch, progress: Sequence[int], keep: object
+) -> None:
+    """Queue the batch as layered_call would copy it and return at once: its shares publish
+    their layers into the words at `progress`, which are then the only sign of its end.
+    `keep` (what owns the two pools' memory and the words) is referenced until it is done.
+    Raises ValueError (nothing queued) for a descriptor outside either pool."""
+    queue.submit(*_layered_args(src, dst, batch, progress, None), keep)
+
+
+def _layered_args(
+    src: FlatPool, dst: FlatPool, batch: LayeredBatch, progress: Sequence[int], streaming: bool | None
+) -> tuple[int, int, int, int, list[tuple[np.ndarray, np.ndarray]], int, bool, list[int]]:
     if streaming is None:
         streaming = batch.nbytes >= STREAM_MIN_BYTES
     shares = layered_shares(batch, len(progress))
-    return partial(
-        _native.copy_shares,
+    return (
         dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes,
         shares, batch.group, streaming, list(progress),
     )  # fmt: skip

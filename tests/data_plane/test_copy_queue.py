@@ -1,0 +1,143 @@
+"""Asynchronous native transfers run on the C copy queue (_native_queue.c): in order, on a
+thread that never takes the GIL, their end known from their progress words alone."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from conftest import load_config
+from helpers import fill_random
+
+from hicache.geometry import KVGeometry
+from hicache.pools import DeviceKVPool, HostKVPool
+from hicache.transfer import TransferEngine, native
+from hicache.transfer.progress import ProgressWords
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the C extension is not built")
+
+
+def mimo() -> KVGeometry:
+    return KVGeometry.from_hf_config(load_config("mimo_v2_flash"), page_size=64)  # 1.47 MB pages
+
+
+class Keep:
+    """A `keep` object that can be watched with a weak reference."""
+
+
+def one_copy(dst: np.ndarray, src: np.ndarray) -> tuple[tuple[int, int, int, int], list[tuple[np.ndarray, np.ndarray]]]:
+    """copy_shares' buffer arguments and one share copying all of src into dst, one layer."""
+    descs = np.array([[0, 0, 1, src.nbytes, src.nbytes, src.nbytes]], dtype=np.int64)
+    return (dst.ctypes.data, dst.nbytes, src.ctypes.data, src.nbytes), [(descs, np.array([1], np.int64))]
+
+
+def test_queued_copies_run_in_the_order_they_were_submitted() -> None:
+    """b <- a, then c <- b: c holds a's bytes only if the second copy started after the first."""
+    from hicache.transfer import _native  # type: ignore[attr-defined]
+
+    n = 64 << 20  # long enough that a second copy started at once would read b half-written
+    a = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
+    b, c = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+    words = ProgressWords.private(2)
+    queue = _native.CopyQueue()
+    bufs, shares = one_copy(b, a)
+    queue.submit(*bufs, shares, 1, True, words.addresses[:1], (a, b))
+    bufs, shares = one_copy(c, b)
+    queue.submit(*bufs, shares, 1, True, words.addresses[1:], (b, c))
+    assert words.wait(1, timeout=60)
+    assert np.array_equal(c, a)
+    queue.close()
+    assert queue.pending() == 0
+
+
+def test_the_queue_checks_before_it_queues_and_refuses_work_once_closed() -> None:
+    from hicache.transfer import _native  # type: ignore[attr-defined]
+
+    dst, src = np.zeros(64, np.uint8), np.arange(64, dtype=np.uint8)
+    bufs, shares = one_copy(dst, src)
+    bad = [(shares[0][0] + np.array([[8, 0, 0, 0, 0, 0]]), shares[0][1])]  # writes 8 bytes past dst
+    words = ProgressWords.private(1)
+    queue = _native.CopyQueue()
+    with pytest.raises(ValueError, match="descriptor 0 writes past the destination's 64 bytes"):
+        queue.submit(*bufs, bad, 1, False, words.addresses, None)
+    assert queue.pending() == 0 and not dst.any() and not words.array.any()  # nothing queued, nothing run
+    queue.close()
+    queue.close()  # idempotent
+    with pytest.raises(RuntimeError, match="the copy queue is closed"):
+        queue.submit(*bufs, shares, 1, False, words.addresses, None)
+
+
+def test_a_queued_copy_holds_keep_until_it_is_done_and_close_waits_for_it() -> None:
+    from hicache.transfer import _native  # type: ignore[attr-defined]
+
+    n = 32 << 20
+    src, dst = np.ones(n, np.uint8), np.zeros(n, np.uint8)
+    words = ProgressWords.private(1)
+    keep = Keep()
+    watch = weakref.ref(keep)
+    queue = _native.CopyQueue()
+    bufs, shares = one_copy(dst, src)
+    queue.submit(*bufs, shares, 1, True, words.addresses, keep)
+    del keep
+    gc.collect()
+    queue.close()  # returns once the copy is done
+    assert words.done() == 1 and dst.all()
+    assert watch() is None  # released after the copy
+
+
+def test_an_async_reload_starts_and_ends_while_this_thread_keeps_the_gil() -> None:
+    """With a switch interval of an hour, no other Python thread runs while this one spins:
+    the copy must start, run and publish without ever taking the GIL."""
+    g = mimo()
+    dev, host = DeviceKVPool(g, 8), HostKVPool(g, 8)
+    fill_random(host, 1)
+    with TransferEngine(dev, host, "native", copy_threads=2) as engine:
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(3600.0)
+        try:
+            handle = engine.reload_async([0, 1, 2, 3], [7, 6, 5, 4])  # 5.9 MB: queued, not inline
+            deadline = time.monotonic() + 60
+            while not handle.done() and time.monotonic() < deadline:
+                pass  # pure Python: holds the GIL throughout
+            finished = handle.done()
+        finally:
+            sys.setswitchinterval(old)
+        assert finished, "the queued copy did not finish while Python held the GIL"
+        handle.wait(30)
+    for h, d in ((0, 7), (1, 6), (2, 5), (3, 4)):
+        assert torch.equal(dev.read_page(d), host.read_page(h))
+
+
+def test_an_async_offload_then_a_reload_of_the_same_host_pages_sees_the_offloaded_bytes() -> None:
+    """Asynchronous transfers keep their order: the reload reads the host pages after the
+    offload queued before it has written them."""
+    g = mimo()
+    dev, host = DeviceKVPool(g, 12), HostKVPool(g, 8)
+    fill_random(dev, 2)
+    before = [dev.read_page(p).clone() for p in range(4)]
+    with TransferEngine(dev, host, "native", copy_threads=2) as engine:
+        offload = engine.offload_async([0, 1, 2, 3], [4, 5, 6, 7])
+        reload = engine.reload_async([4, 5, 6, 7], [8, 9, 10, 11])
+        reload.wait(60)
+        assert offload.done()
+    for p in range(4):
+        assert torch.equal(dev.read_page(8 + p), before[p])
+
+
+def test_closing_the_engine_waits_for_queued_transfers_and_a_later_one_still_runs() -> None:
+    g = mimo()
+    dev, host = DeviceKVPool(g, 8), HostKVPool(g, 8)
+    fill_random(dev, 3)
+    engine = TransferEngine(dev, host, "native", copy_threads=2)
+    handles = [engine.offload_async([i], [i]) for i in range(4)] + [engine.offload_async([4, 5, 6], [4, 5, 6])]
+    engine.close()
+    assert all(h.done() for h in handles)
+    engine.offload_async([7, 0, 1], [7, 0, 1]).wait(30)  # a new queue after close, as the thread pools
+    engine.close()
+    for p in range(8):
+        assert torch.equal(host.read_page(p), dev.read_page(p))
