@@ -198,3 +198,42 @@ def test_empty_async_transfer_finishes():
     engine = TransferEngine(DeviceKVPool(g, 2), HostKVPool(g, 2))
     assert engine.reload_async([], []).wait() == 0
     engine.close()
+
+
+class CountedEvent:
+    """Stands in for a CUDA event (query / synchronize, which is all the handle calls) that
+    completes at its `ready_after`-th query (None: never): the handle's timeout logic runs
+    on CPU. Events of one stream complete in order, so a later one's completion implies it."""
+
+    def __init__(self, ready_after: int | None):
+        self.ready_after, self.queries = ready_after, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.ready_after is not None and self.queries >= self.ready_after
+
+    def synchronize(self) -> None:
+        assert self.ready_after is not None, "synchronize on an event that never completes would hang"
+
+
+def test_a_cuda_handles_wait_with_a_timeout_returns_when_the_copy_ends_not_at_the_timeout(monkeypatch):
+    from hicache.transfer import handles
+
+    slept: list[float] = []
+    monkeypatch.setattr(handles.time, "sleep", slept.append)  # no real sleeping: only what was asked
+    events = [CountedEvent(1), CountedEvent(5)]
+    handle = handles.CudaTransferHandle((0, 1), 10, "device", frozenset({1}), events)
+    assert handle.wait(timeout=600) == 10  # polled until the last layer's event completed
+    assert events[1].queries == 5 and len(slept) == 4 and max(slept) <= 1e-3
+    handle.wait_layer_host(1, timeout=600)
+
+
+def test_a_cuda_handles_wait_raises_timeout_error_when_the_copy_does_not_end():
+    from hicache.transfer import handles
+
+    handle = handles.CudaTransferHandle((0, 3), 10, "device", frozenset({1}), [CountedEvent(1), CountedEvent(None)])
+    with pytest.raises(TimeoutError, match="transfer not finished after 0.01 s"):
+        handle.wait(timeout=0.01)
+    with pytest.raises(TimeoutError, match="layer 3 not copied after 0.01 s"):
+        handle.wait_layer_host(3, timeout=0.01)
+    handle.wait_layer_host(0, timeout=0.01)  # that layer's event is complete
