@@ -54,8 +54,9 @@ class TransferEngine:
 
     offload/reload block until done; offload_async/reload_async return a TransferHandle
     with per-layer completion, and run one after another in the order they were started
-    (on CPU, those below native.LAYERED_INLINE_BYTES are copied before they return). Only one transfer at a time may write a given page: a
-    transfer whose destination pages overlap an unfinished one's raises ValueError.
+    (on CPU, those below native.LAYERED_INLINE_BYTES are copied before they return). Only
+    one transfer at a time may write a given page: a transfer whose destination pages
+    overlap an unfinished one's raises ValueError.
     Call close() (or use `with`) to stop the engine's threads.
 
     Raises ValueError if the pools' geometries differ, for an unknown backend, or for
