@@ -168,7 +168,7 @@ class CudaTransferHandle(TransferHandle):
         return all(bool(e.query()) for e in self.events)
 
     def wait(self, timeout: float | None = None) -> int:
-        if timeout is not None and not _poll(self.events[-1:], timeout):
+        if timeout is not None and self.events and not _poll(self.events[-1], timeout):  # the stream's last
             raise TimeoutError(f"transfer not finished after {timeout} s")
         for event in self.events:
             event.synchronize()
@@ -182,17 +182,17 @@ class CudaTransferHandle(TransferHandle):
 
     def wait_layer_host(self, layer: int, timeout: float | None = None) -> None:
         event = self.events[self._position(layer)]
-        if timeout is not None and not _poll([event], timeout):
+        if timeout is not None and not _poll(event, timeout):
             raise TimeoutError(f"layer {layer} not copied after {timeout} s")
         event.synchronize()
 
 
-def _poll(events: list[Any], timeout: float) -> bool:
-    """Whether every event completes within `timeout` s, asked at growing intervals (50 µs
+def _poll(event: Any, timeout: float) -> bool:
+    """Whether the event completes within `timeout` s, asked at growing intervals (50 µs
     to 1 ms): a CUDA event has no wait with a limit."""
     deadline = time.monotonic() + timeout
     pause = 50e-6
-    while not all(bool(e.query()) for e in events):
+    while not event.query():
         left = deadline - time.monotonic()
         if left <= 0:
             return False
