@@ -3,6 +3,7 @@ progress events, and the per-key answer of a prefetch."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -77,10 +78,13 @@ def copy_layers(
     layer as the copy goes when per_layer, else all at the end), and, per_layer, into the
     `progress` words (a progress-block slot the engine waits on); returns the bytes copied.
     `started`: that layer-wise reload, already started by the caller. A failure is published
-    as FAILED (and FAILED into the words) and re-raised; DONE is the caller's to publish."""
+    as FAILED (and FAILED into the words, once a copy already started has ended, so that
+    nothing publishes over it) and re-raised; DONE is the caller's to publish."""
+    handle = started
     try:
         if per_layer:
-            handle = started if started is not None else engine.reload_async(host_pages, dev_pages, progress=progress)
+            if handle is None:
+                handle = engine.reload_async(host_pages, dev_pages, progress=progress)
             for layer in range(op.layer_num):
                 handle.wait_layer_host(layer)  # on CUDA too: the engine reads it once announced
                 op.layer_done(layer, layer + 1)
@@ -91,6 +95,9 @@ def copy_layers(
             op.layer_done(layer, layer + 1)
         return nbytes
     except Exception as exc:
+        if handle is not None:  # a copy still running would publish over FAILED (and the caller
+            with contextlib.suppress(Exception):  # frees its pages): let it end first
+                handle.wait()
         if progress is not None:
             progress.publish_all(FAILED)  # a wait on the words ends; Watch says why
         op.failed(f"{type(exc).__name__}: {exc}", 0)
