@@ -11,7 +11,7 @@ from setuptools import Extension, find_packages, setup
 # compiler the install still succeeds and the engine falls back to torch copies.
 native = Extension(
     "hicache.transfer._native",
-    ["hicache/transfer/_native.c", "hicache/transfer/_native_plan.c", "hicache/transfer/_native_queue.c"],
+    ["hicache/transfer/_native.c", "hicache/transfer/_native_plan.c", "hicache/transfer/_native_queue.c", "hicache/transfer/_native_crew.c"],
     depends=["hicache/transfer/_native.h"],
     extra_compile_args=["-O2"],
     optional=True,

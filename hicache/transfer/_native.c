@@ -264,7 +264,7 @@ static PyObject *wait_progress(PyObject *self, PyObject *args) {
 
 /* ---- one call, several threads ------------------------------------------------------ */
 
-static void run_share(const Share *sh) {
+void run_share(const Share *sh) {
     for (Py_ssize_t i = 0; i < sh->layers; i++) {
         int64_t first = i == 0 ? 0 : sh->ends[i - 1];
         Py_ssize_t count = (Py_ssize_t)(sh->ends[i] - first);
@@ -273,11 +273,6 @@ static void run_share(const Share *sh) {
         if (sh->progress != NULL)
             publish_word(sh->progress, (uint32_t)(i + 1));
     }
-}
-
-static void *share_thread(void *arg) {
-    run_share((const Share *)arg);
-    return NULL;
 }
 
 /* ends as a private int64 copy checked against n descriptors, or NULL with an exception. */
@@ -385,23 +380,6 @@ fail:
     Py_DECREF(pseq);
     free_shares(shares, count);
     return NULL;
-}
-
-int run_shares(const Share *shares, Py_ssize_t count) {
-    pthread_t threads[MAX_SHARES];
-    Py_ssize_t started = 0;
-    int failed = 0;
-    for (Py_ssize_t i = 1; i < count; i++) {
-        if (pthread_create(&threads[i], NULL, share_thread, (void *)&shares[i]) != 0)
-            break;
-        started = i;
-    }
-    run_share(&shares[0]);
-    for (Py_ssize_t i = started + 1; i < count; i++) /* threads that could not start: run here */
-        run_share(&shares[i]);
-    for (Py_ssize_t i = 1; i <= started; i++)
-        failed |= pthread_join(threads[i], NULL) != 0;
-    return failed;
 }
 
 /* copy_shares(dst_addr, dst_size, src_addr, src_size, shares, group, streaming, progress_addrs):

@@ -1,6 +1,6 @@
 /* Shared by the parts of hicache.transfer._native: the copy (_native.c), the planning of a
- * large transfer's descriptors (_native_plan.c) and the queue of asynchronous transfers
- * (_native_queue.c). */
+ * large transfer's descriptors (_native_plan.c), the queue of asynchronous transfers
+ * (_native_queue.c) and the threads that copy a transfer's shares (_native_crew.c). */
 #ifndef HICACHE_NATIVE_H
 #define HICACHE_NATIVE_H
 
@@ -40,8 +40,11 @@ int to_address(PyObject *obj, void *out);
  * with the GIL), or NULL with an exception set. Needs the GIL. */
 Share *load_shares(uintptr_t dst_addr, long long dst_size, uintptr_t src_addr, long long src_size,
                    PyObject *shares_obj, Py_ssize_t group, int streaming, PyObject *progress_obj, Py_ssize_t *count_out);
-/* Copy every share: share 0 in the calling thread, each other one on a thread of its own.
- * Needs no GIL; non-zero when a copy thread could not be joined (its copy is done anyway). */
+/* Copy one share, publishing its layers (_native.c). Needs no GIL. */
+void run_share(const Share *sh);
+/* Copy every share: share 0 in the calling thread, the others on the copy crew's threads
+ * (_native_crew.c), or on threads of their own while the crew is in use. Needs no GIL;
+ * non-zero when such a thread could not be joined (its copy is done anyway). */
 int run_shares(const Share *shares, Py_ssize_t count);
 void free_shares(Share *shares, Py_ssize_t count);
 

@@ -1,4 +1,4 @@
-# Stub for the C extension built from _native.c, _native_plan.c and _native_queue.c (see hicache/transfer/native.py).
+# Stub for the C extension built from _native.c, _native_plan.c, _native_queue.c and _native_crew.c (see hicache/transfer/native.py).
 from collections.abc import Sequence
 from typing import Any
 

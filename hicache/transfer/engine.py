@@ -254,10 +254,12 @@ class TransferEngine:
             handle.finish()
 
     def _copy_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords) -> None:
-        """Every layer in one C call in this thread, one share, publishing into words[0]."""
+        """Every layer in one C call from this thread (its first share here, the others on
+        the copy crew), each share publishing into its word."""
         batch = native.layered(src, dst, plan, plan.layers)
-        self._publish_spares(words, 1, len(plan.layers))
-        native.layered_call(src, dst, batch, words.addresses[:1])()
+        shares = max(1, min(len(words), self.shares)) if batch.nbytes >= native.SHARE_MIN_BYTES else 1
+        self._publish_spares(words, shares, len(plan.layers))
+        native.layered_call(src, dst, batch, words.addresses[:shares])()
 
     def _queue_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords) -> None:
         """Plan every layer here (the GIL is held anyway) and queue the copy on the C queue,
@@ -295,7 +297,7 @@ class TransferEngine:
             return
         if self.backend == "native":
             batch = native.descriptors(src, dst, plan, plan.layers if layers is None else layers)
-            shares = self.shares if batch.nbytes >= native.SMALL_BYTES else 1  # small: this thread only
+            shares = self.shares if batch.nbytes >= native.SHARE_MIN_BYTES else 1  # tiny: this thread only
             native.batch_call(src, dst, batch, shares)()
             return
         runs = None if layers is None else [(layer, 1) for layer in layers]

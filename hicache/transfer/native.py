@@ -6,14 +6,15 @@ order; chunks adjacent on both sides (page runs) merge into copies of about MERG
 For a large transfer this planning is C (_native_plan.c) that holds the GIL: numpy would
 hand the GIL to any other busy Python thread on every large operation. The C extension
 (_native.c) copies a whole descriptor array per call with the GIL released, cut into shares
-that run on threads of its own (batch_call), so the Python cost is per transfer, not per
+run by the calling thread and the copy crew, threads of the C code's own that stay between
+calls (_native_crew.c; batch_call), so the Python cost is per transfer, not per
 page, and no Python thread hands work to another. A layer-wise transfer is one such call
 too (layered, layered_call): each share publishes the layers it has done into a progress
 word. An asynchronous one is queued instead (layered_submit) on a C thread that never takes
 the GIL, so a busy Python thread cannot delay its start, and its words alone tell when it
-is done. Transfers below SMALL_BYTES are copied by the calling thread, unsorted, their
-descriptors made from a cached page template; those of STREAM_MIN_BYTES or more use
-non-temporal stores.
+is done. Transfers below SMALL_BYTES are copied unsorted, their descriptors made from a
+cached page template, and below SHARE_MIN_BYTES by the calling thread alone; those of
+STREAM_MIN_BYTES or more use non-temporal stores.
 
 Without the compiled extension (no C compiler at install time) available() is False and
 the engine uses torch copies instead.
@@ -43,11 +44,18 @@ except ImportError:  # built by setup.py where a C compiler exists
     _native = None
 
 MERGE_CAP = 1 << 20  # merged copies end once past this (so at most MERGE_CAP + one chunk): even shares
-# A plain transfer below SMALL_BYTES is copied by the calling thread, chunk by chunk, unsorted:
-# sorting, merging and starting threads cost more than a second thread saves below about
-# 8-16 MB (2-core VM, offload in process: 4 pages 370 -> 200 us, 6 pages 540 -> 410 us).
+# A plain transfer below SMALL_BYTES is copied chunk by chunk, unsorted: sorting and merging
+# cost more than they save below about 8-16 MB (2-core VM, offload in process: 4 pages
+# 370 -> 200 us, 6 pages 540 -> 410 us).
 SMALL_BYTES = 8 << 20
-LAYERED_INLINE_BYTES = 4 << 20  # a layer-wise transfer below this runs in the caller, one share
+# From SHARE_MIN_BYTES on, a transfer is cut into shares, one per copy thread, the others run
+# by the copy crew (_native_crew.c: threads that stay, woken through a futex). 2-core VM,
+# benchmarks/transfer.py, layer_first: 4 pages (5.9 MB) 0.48-0.51 of memcpy -> 0.64-0.78,
+# 16 pages 0.66-0.69 -> 0.96-1.08. One 1.47 MB page copies in 19 us on two threads, 33 on
+# one, back to back; but between other work that keeps the second core (torch's own copy
+# threads, as in the benchmark) waking a helper cost it 62 -> 72-89 us, so it stays on one.
+SHARE_MIN_BYTES = 2 << 20
+LAYERED_INLINE_BYTES = 4 << 20  # an asynchronous transfer below this runs in the caller, not queued
 STREAM_MIN_BYTES = 16 << 20  # about half the L3 of a server core complex; below it stay cached
 
 DST, SRC, ROWS, ROW_BYTES, DST_STRIDE, SRC_STRIDE = range(6)

@@ -214,6 +214,7 @@ def test_streaming_threaded_roundtrip_is_bit_exact(layout, dtype, monkeypatch):
     """The large-transfer path (non-temporal stores, shares on several copy threads) on a small pool."""
     monkeypatch.setattr(native, "STREAM_MIN_BYTES", 0)
     monkeypatch.setattr(native, "SMALL_BYTES", 0)
+    monkeypatch.setattr(native, "SHARE_MIN_BYTES", 0)
     shares: list[int] = []
     copy_shares = native._native.copy_shares  # type: ignore[union-attr]
 
