@@ -6,7 +6,7 @@
  * thread and the members take shares one at a time until none is left, and the caller waits
  * for those it did not run itself. A member that is slow to wake (its core busy) finds
  * nothing left to take, so a call is never slower than the caller copying alone, however
- * busy the machine. Which shares are left is one 64-bit word, the `claim`: the job's
+ * busy the machine (but for a layer-wise transfer, below). Which shares are left is one 64-bit word, the `claim`: the job's
  * generation, its share count and the next share to take, so that a member that wakes for a
  * job already done cannot take a share of the next one (its compare-and-swap fails on the
  * generation). A member that has just worked spins for a few microseconds before it sleeps on
@@ -84,16 +84,19 @@ static void wake(uint32_t *word, int count) {
 #endif
 }
 
-/* Take and run shares of job `gen` until none is left (or another job is posted). */
-static void help(uint32_t gen) {
+/* Take and run shares of job `gen` until none is left (or another job is posted), at most
+ * `most` of them. */
+static void help(uint32_t gen, int most) {
     uint64_t c = __atomic_load_n(&claim, __ATOMIC_ACQUIRE);
-    for (;;) {
+    int taken = 0;
+    while (taken < most) {
         uint32_t next = (uint32_t)(c & 0xffff), count = (uint32_t)((c >> 16) & 0xffff);
         if ((uint32_t)(c >> 32) != gen || next >= count)
             return;
         const Share *shares = __atomic_load_n(&job, __ATOMIC_RELAXED); /* the job's if the swap succeeds */
         if (!__atomic_compare_exchange_n(&claim, &c, c + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue; /* c now holds the word as it is */
+        taken++;
         run_share(&shares[next]);
         if (__atomic_add_fetch(&done, 1, __ATOMIC_ACQ_REL) == count)
             wake(&done, 1);
@@ -105,7 +108,7 @@ static void *serve(void *arg) {
     uint32_t seen = (uint32_t)(uintptr_t)arg; /* the generation when hired */
     for (;;) {
         seen = await_change(&generation, seen);
-        help(seen);
+        help(seen, MAX_SHARES);
     }
     return NULL;
 }
@@ -123,7 +126,7 @@ static void hire(int want) {
     while (hired < want) {
         pthread_t thread;
         if (pthread_create(&thread, NULL, serve, (void *)(uintptr_t)generation) != 0)
-            return; /* fewer helpers: the caller takes what they do not */
+            return; /* fewer members: the caller takes what they do not (not layer-wise) */
         pthread_detach(thread);
         hired++;
     }
@@ -161,14 +164,22 @@ int run_shares(const Share *shares, Py_ssize_t count) {
     pthread_once(&once, register_fork_handler);
     if (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE) != 0)
         return run_on_new_threads(shares, count);
+    int layered = shares[0].progress != NULL;
     hire((int)count - 1);
+    if (layered && hired < (int)count - 1) { /* the caller would not take the shares left over */
+        __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
+        return run_on_new_threads(shares, count);
+    }
     uint32_t gen = generation + 1;
     __atomic_store_n(&job, shares, __ATOMIC_RELAXED); /* published by the release below */
     __atomic_store_n(&done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&claim, (uint64_t)gen << 32 | (uint64_t)count << 16, __ATOMIC_RELEASE);
     __atomic_store_n(&generation, gen, __ATOMIC_RELEASE);
     wake(&generation, (int)count - 1);
-    help(gen);
+    /* A layer-wise transfer's shares each hold a part of every layer: one share run after
+     * another would hold back every layer's end until the last share, so the caller runs one
+     * and leaves the others to the members, however late they start. */
+    help(gen, layered ? 1 : MAX_SHARES);
     uint32_t now;
     while ((now = __atomic_load_n(&done, __ATOMIC_ACQUIRE)) != (uint32_t)count)
         await_change(&done, now);
