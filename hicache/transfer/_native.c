@@ -5,8 +5,8 @@
  * byte offsets into two flat buffers. copy_shares() takes a private copy of a transfer's
  * descriptors, cut into shares and, within each, into layers; it checks every descriptor
  * against both buffers' sizes before it copies anything (rows must not overlap on the
- * destination, which also bounds the work), then runs the shares on threads of its own
- * (share 0 in the calling thread), all without the GIL. After each layer, a share stores the
+ * destination, which also bounds the work), then runs the shares in the calling thread and
+ * on the copy crew's threads (_native_crew.c), all without the GIL. After each layer, a share stores the
  * count of layers it has done into its 32-bit progress word (release order) and wakes its
  * futex waiters, so another thread, or another process that maps the word (a shared-memory
  * progress block), waits for a layer with wait_progress() without holding the GIL and
@@ -384,8 +384,8 @@ fail:
 
 /* copy_shares(dst_addr, dst_size, src_addr, src_size, shares, group, streaming, progress_addrs):
  * shares is a sequence of (descriptors, layer_ends), progress_addrs one address (0: none) per
- * share. Share 0 runs in the calling thread, the others each on a thread of its own; returns
- * when all are done. Everything is checked before any copy starts. */
+ * share. The calling thread and the copy crew run them (run_shares); returns when all are
+ * done. Everything is checked before any copy starts. */
 static PyObject *copy_shares(PyObject *self, PyObject *args) {
     uintptr_t dst_addr, src_addr;
     long long dst_size, src_size;
@@ -416,8 +416,8 @@ static PyMethodDef methods[] = {
      "pass (< 0: no limit); returns the value read last."},
     {"copy_shares", copy_shares, METH_VARARGS,
      "copy_shares(dst_addr, dst_size, src_addr, src_size, shares, group, streaming, progress_addrs) -> None\n\n"
-     "copy_layers for several shares at once: share 0 in this thread, each other one on a thread\n"
-     "of its own, all without the GIL; shares is a sequence of (descriptors, layer_ends) and\n"
+     "copy_layers for several shares at once: in this thread and on the copy crew's threads, all\n"
+     "without the GIL; shares is a sequence of (descriptors, layer_ends) and\n"
      "progress_addrs one word address (0: none) per share. Checks everything first."},
     {"build_descriptors", build_descriptors, METH_VARARGS,
      "build_descriptors(src_strides, dst_strides, page_size, src_pages, dst_pages, layers, by_layer, key_is_src)\n"

@@ -2,7 +2,7 @@
  *
  * submit() checks a transfer's shares (as copy_shares does) with the GIL held and queues it;
  * one thread of the queue's own, started by the first submit, runs the transfers in order
- * (each as run_shares: share 0 in that thread, the others on threads of their own). The
+ * (each as run_shares: in that thread and on the copy crew's). The
  * thread never takes the GIL, so a busy Python thread cannot delay the start of a copy, and
  * a transfer's end is known from its progress words alone: nothing has to wake Python.
  *

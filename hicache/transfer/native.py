@@ -285,8 +285,8 @@ def layered_shares(batch: LayeredBatch, shares: int) -> list[tuple[np.ndarray, n
 def layered_call(
     src: FlatPool, dst: FlatPool, batch: LayeredBatch, progress: Sequence[int], streaming: bool | None = None
 ) -> Callable[[], None]:
-    """One call that copies the batch in len(progress) shares, each on a thread of its own
-    (the first in the calling thread) and publishing its layers into its word (an address;
+    """One call that copies the batch in len(progress) shares, in the calling thread and on
+    the copy crew's threads, each share publishing its layers into its word (an address;
     0: none), without the GIL; returns when all shares are done."""
     assert _native is not None, "the hicache C extension is not built"
     return partial(_native.copy_shares, *_layered_args(src, dst, batch, progress, streaming))
@@ -336,8 +336,8 @@ def wait_progress(address: int, target: int, timeout_s: float) -> int:
 def batch_call(
     src: FlatPool, dst: FlatPool, batch: CopyBatch, shares: int, streaming: bool | None = None
 ) -> Callable[[], None]:
-    """One call that copies the batch in up to `shares` parts, each on a thread of the C
-    code's own (the first in the calling thread), without the GIL."""
+    """One call that copies the batch in up to `shares` parts, in the calling thread and on
+    the copy crew's threads (the C code's own), without the GIL."""
     assert _native is not None, "the hicache C extension is not built"
     if streaming is None:
         streaming = batch.nbytes >= STREAM_MIN_BYTES
