@@ -59,8 +59,15 @@ static void *serve(void *arg) {
     return NULL;
 }
 
+/* In a forked child, whose copy of the queue has no thread: its lock and condition are in
+ * whatever state the parent's thread left them at the fork (maybe held, maybe waited on),
+ * so the child must not touch them, nor the jobs, which will never run here. */
+static int forked(const CopyQueue *q) { return q->running && q->owner != getpid(); }
+
 /* Drop the finished jobs' shares and references. Needs the GIL. */
 static void reap(CopyQueue *q) {
+    if (forked(q))
+        return;
     pthread_mutex_lock(&q->lock);
     Job *job = q->finished;
     q->finished = NULL;
@@ -76,7 +83,7 @@ static void reap(CopyQueue *q) {
 
 /* Let queued jobs finish and join the thread. Needs the GIL (released while it waits). */
 static void stop(CopyQueue *q) {
-    if (q->running && q->owner == getpid()) {
+    if (q->running && !forked(q)) {
         pthread_mutex_lock(&q->lock);
         q->closing = 1;
         pthread_cond_broadcast(&q->wake);
@@ -104,8 +111,10 @@ static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 
 static void queue_dealloc(CopyQueue *q) {
     stop(q);
-    pthread_mutex_destroy(&q->lock);
-    pthread_cond_destroy(&q->wake);
+    if (!forked(q)) { /* a child's copy would wait forever for the parent's thread to leave */
+        pthread_mutex_destroy(&q->lock);
+        pthread_cond_destroy(&q->wake);
+    }
     Py_TYPE(q)->tp_free((PyObject *)q);
 }
 
@@ -122,7 +131,7 @@ static PyObject *queue_submit(CopyQueue *q, PyObject *args) {
     reap(q);
     if (q->closing)
         return PyErr_Format(PyExc_RuntimeError, "the copy queue is closed");
-    if (q->running && q->owner != getpid()) /* forked: the thread stayed in the parent */
+    if (forked(q)) /* the thread stayed in the parent */
         return PyErr_Format(PyExc_RuntimeError, "the copy queue belongs to process %ld", (long)q->owner);
     Share *shares =
         load_shares(dst_addr, dst_size, src_addr, src_size, shares_obj, group, streaming, progress_obj, &count);
@@ -163,6 +172,8 @@ static PyObject *queue_submit(CopyQueue *q, PyObject *args) {
 
 static PyObject *queue_pending(CopyQueue *q, PyObject *noargs) {
     (void)noargs;
+    if (forked(q))
+        return PyErr_Format(PyExc_RuntimeError, "the copy queue belongs to process %ld", (long)q->owner);
     reap(q);
     pthread_mutex_lock(&q->lock);
     Py_ssize_t pending = q->pending;

@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
@@ -32,6 +33,18 @@ Pool = DeviceKVPool | HostKVPool
 
 
 log = logging.getLogger(__name__)
+_engines: weakref.WeakSet[TransferEngine] = weakref.WeakSet()
+
+
+def _forget_threads_after_fork() -> None:
+    """In a forked child: no thread of an engine was copied, so each makes new ones on use."""
+    for engine in list(_engines):
+        engine._lock = threading.Lock()  # it may have been held by a thread of the parent
+        engine._driver = engine._copier = engine._queue = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_threads_after_fork)
 
 
 @functools.cache
@@ -57,7 +70,8 @@ class TransferEngine:
     (on CPU, those below native.LAYERED_INLINE_BYTES are copied before they return). Only
     one transfer at a time may write a given page: a transfer whose destination pages
     overlap an unfinished one's raises ValueError.
-    Call close() (or use `with`) to stop the engine's threads.
+    Call close() (or use `with`) to stop the engine's threads. A forked child's engine
+    starts threads of its own on use (transfers the parent left unfinished stay so there).
 
     Raises ValueError if the pools' geometries differ, for an unknown backend, or for
     "native" on CUDA pools or without the built extension.
@@ -102,6 +116,7 @@ class TransferEngine:
         self._copier: CpuCopier | None = None
         self._driver: ThreadPoolExecutor | None = None  # asynchronous transfers of the torch backend
         self._queue: CopyQueue | None = None  # those of the native backend (a C thread)
+        _engines.add(self)
 
     # ---- validation ------------------------------------------------------------------------
     def offload_plan(self, device_pages: PageList, host_pages: PageList) -> TransferPlan:

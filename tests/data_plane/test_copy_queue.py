@@ -4,6 +4,7 @@ thread that never takes the GIL, their end known from their progress words alone
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 import weakref
@@ -141,3 +142,39 @@ def test_closing_the_engine_waits_for_queued_transfers_and_a_later_one_still_run
     engine.close()
     for p in range(8):
         assert torch.equal(host.read_page(p), dev.read_page(p))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_runs_asynchronous_transfers_on_threads_of_its_own() -> None:
+    """The parent's copy queue thread (and thread pools) are not copied by fork: the child's
+    engine must start its own instead of refusing (or waiting on a thread that is not there)."""
+    g = mimo()
+    dev, host = DeviceKVPool(g, 8), HostKVPool(g, 8)
+    fill_random(dev, 5)
+    with TransferEngine(dev, host, "native", copy_threads=2) as engine:
+        engine.offload_async([0, 1, 2, 3], [0, 1, 2, 3]).wait(30)  # the parent's queue thread runs
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            ok = False
+            try:
+                engine.offload_async([4, 5, 6, 7], [4, 5, 6, 7]).wait(30)  # 5.9 MB: queued
+                ok = all(page_bytes(host, p) == page_bytes(dev, p) for p in range(8))  # no torch op:
+                # torch's OpenMP threads are not fork-safe either
+                engine.close()
+            finally:
+                os.write(w, b"1" if ok else b"0")
+                os._exit(0)
+        os.close(w)
+        try:
+            got = os.read(r, 1)
+        finally:
+            os.close(r)
+            os.waitpid(pid, 0)
+    assert got == b"1"
+
+
+def page_bytes(pool: DeviceKVPool | HostKVPool, page: int) -> bytes:
+    pieces = pool.page_pieces(page)
+    assert pieces is not None
+    return b"".join(bytes(p) for p in pieces)
