@@ -6,9 +6,16 @@
   batch_read_into a layer_first HostKVPool (what the cache's fetch does: each file read
   with one preadv straight into the page's chunks, then verified there), against the same
   plain read into a reused buffer; read_pool_speedup is that fetch over the same one through
-  the tier's buffer and write_page (tier_read_pool_copy_GBps), in the same rounds.
+  the tier's buffer and write_page (tier_read_pool_copy_GBps), in the same rounds;
+  read_pool_threads_speedup over the same fetch one file at a time (read_threads=1); and
+  read_pool_same_dst_ratio against the plain file read page by page into the pool's own
+  memory (plain_read_pool_GBps: the same destination, which is not in the CPU caches as the
+  reused buffer is).
   Reads come from the page cache; a second read baseline keeps each page in a new buffer
   per batch, as batch_get must (its cost is mostly page faults on fresh memory).
+- file tier from the disk (--cold, as root): batch_read_into a host pool on 1 and on the
+  default read_threads threads against a plain sequential read of the same bytes, each
+  round after sync and drop_caches.
 - redis tier: pages/s and GB/s against a raw redis-py pipeline SET / GET of the same
   values (header included), same batch size, same server; batch_read (the cache's fetch:
   each GET received into a reused buffer, then copied into a page buffer) against the same
@@ -20,7 +27,7 @@
   counts, to show the per-key cost does not grow.
 
     python benchmarks/tiers.py [--backend all|file|redis|redis-cluster] [--pages 256] [--dir /tmp]
-                               [--redis-url URL] [--redis-cluster-url URL] [--repeat 5] [--json]
+                               [--redis-url URL] [--redis-cluster-url URL] [--repeat 5] [--cold] [--json]
 
 Without --redis-url it starts a private redis-server on a unix socket, and without
 --redis-cluster-url a local cluster (each skipped if redis-server is absent). "all" (the
@@ -126,6 +133,20 @@ def bench_file(
                 pieces_of = functools.partial(lambda base, i: host.page_pieces(base + i), s)
                 assert tier.batch_read_into(keys[s : s + BATCH], pieces_of) == len(keys[s : s + BATCH])
 
+        def tier_read_pool_one() -> None:  # the same, one file at a time (read_threads=1)
+            threads, tier.read_threads = tier.read_threads, 1
+            try:
+                tier_read_pool()
+            finally:
+                tier.read_threads = threads
+
+        flat = host.flat.numpy()
+
+        def plain_read_pool() -> None:  # the plain file read page by page into the pool's own memory
+            with open(plain, "rb", buffering=0) as f:
+                for i in range(len(keys)):
+                    f.readinto(memoryview(flat[i * g.page_bytes : (i + 1) * g.page_bytes]))
+
         def tier_read_pool_copy() -> None:  # the same through the tier's buffer and write_page
             for s in range(0, len(keys), BATCH):
                 sink = functools.partial(lambda base, i, data: host.write_page(base + i, data), s)
@@ -140,11 +161,14 @@ def bench_file(
             tier_read_into,
             tier_read_pool,
             tier_read_pool_copy,
+            tier_read_pool_one,
+            plain_read_pool,
         )
         rounds = [[timed(fn) for fn in order] for _ in range(repeat)]  # reads all from the page cache
+        tier_read_pool()
         assert bytes(host.read_page(len(keys) - 1).numpy()) == items[-1][1]
         tier.check_integrity()
-    pw, tw, pr, pk, tr, ti, tp, tc = (statistics.median(r[i] for r in rounds) for i in range(len(order)))
+    pw, tw, pr, pk, tr, ti, tp, tc, t1, pp = (statistics.median(r[i] for r in rounds) for i in range(len(order)))
 
     def ratio(limit: int, measured: int) -> float:
         return statistics.median(r[limit] / r[measured] for r in rounds)
@@ -168,6 +192,75 @@ def bench_file(
         "read_pool_ratio": ratio(2, 6),
         "tier_read_pool_copy_GBps": nbytes / tc / 1e9,
         "read_pool_speedup": ratio(7, 6),
+        "read_threads": tier.read_threads,
+        "tier_read_pool_one_thread_GBps": nbytes / t1 / 1e9,
+        "read_pool_threads_speedup": ratio(8, 6),
+        "plain_read_pool_GBps": nbytes / pp / 1e9,
+        "read_pool_same_dst_ratio": ratio(9, 6),
+    }
+
+
+def bench_file_cold(g: KVGeometry, items: list[tuple[bytes, bytes]], folder: Path, repeat: int) -> dict[str, Any] | str:
+    """The file tier's batch_read_into a host pool from the disk, not the page cache (every
+    round after sync and drop_caches, which needs root), on 1 and on DEFAULT_READ_THREADS
+    threads, against a plain sequential read of the same bytes from one file, also cold."""
+    drop = Path("/proc/sys/vm/drop_caches")
+
+    def cold() -> None:
+        os.sync()
+        drop.write_text("3\n")
+
+    try:
+        cold()
+    except OSError as exc:
+        return f"skipped: cannot drop the page cache ({exc}); run as root"
+    from hicache.storage.file import DEFAULT_READ_THREADS
+
+    ident = TierIdentity.for_geometry(g, "bench@0")
+    keys = [k for k, _ in items]
+    nbytes = len(items) * g.page_bytes
+    host = HostKVPool(g, len(keys), "layer_first")
+    host.flat.fill_(1)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        plain = Path(tmp) / "plain.bin"
+        with open(plain, "wb") as f:
+            for _, data in items:
+                f.write(data)
+        tier = FileTier(ident, Path(tmp) / "tier", fsync=False)
+        for s in range(0, len(items), BATCH):
+            assert all(tier.batch_set(items[s : s + BATCH]))
+
+        def plain_read() -> None:
+            with open(plain, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+
+        def tier_read(threads: int) -> None:
+            tier.read_threads = threads
+            for s in range(0, len(keys), BATCH):
+                pieces_of = functools.partial(lambda base, i: host.page_pieces(base + i), s)
+                assert tier.batch_read_into(keys[s : s + BATCH], pieces_of) == len(keys[s : s + BATCH])
+
+        buf = bytearray(g.page_bytes)
+        fns = (plain_read, functools.partial(tier_read, 1), functools.partial(tier_read, DEFAULT_READ_THREADS))
+        rounds = []
+        for _ in range(repeat):
+            row = []
+            for fn in fns:
+                cold()
+                row.append(timed(fn))
+            rounds.append(row)
+        tier.close()
+    pr, t1, tn = (statistics.median(r[i] for r in rounds) for i in range(3))
+    return {
+        "pages": len(items),
+        "rounds": repeat,
+        "read_threads": DEFAULT_READ_THREADS,
+        "plain_read_GBps": nbytes / pr / 1e9,
+        "tier_read_pool_one_thread_GBps": nbytes / t1 / 1e9,
+        "tier_read_pool_GBps": nbytes / tn / 1e9,
+        "read_pool_ratio": statistics.median(r[0] / r[2] for r in rounds),
+        "read_pool_one_thread_ratio": statistics.median(r[0] / r[1] for r in rounds),
     }
 
 
@@ -324,6 +417,7 @@ def main() -> None:
     ap.add_argument("--redis-cluster-url", default="", help="a node of a running cluster (default: start one)")
     ap.add_argument("--index-keys", default="100000,1000000", help="comma-separated key counts")
     ap.add_argument("--repeat", type=int, default=5, help="rounds of each tier's benchmark")
+    ap.add_argument("--cold", action="store_true", help="also the file tier's reads from the disk (root: drops caches)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     g = geometry()
@@ -332,6 +426,8 @@ def main() -> None:
     wanted = {"all": ("file", "redis", "index"), "file": ("file", "index")}.get(args.backend, (args.backend,))
     if "file" in wanted:
         result["file"] = [bench_file(g, items, Path(args.dir), fsync, args.repeat) for fsync in (False, True, "batch")]
+        if args.cold:
+            result["file_cold"] = bench_file_cold(g, items, Path(args.dir), args.repeat)
     if "redis" in wanted:
         with tempfile.TemporaryDirectory() as tmp:
             server = None if args.redis_url else start_redis(tmp)
@@ -361,8 +457,20 @@ def main() -> None:
             f"into kept buffers, ratio {r['read_ratio_kept']:.2f}); batch_read into a page "
             f"{r['tier_read_into_GBps']:.2f} (ratio {r['read_into_ratio']:.2f}); into a layer_first host pool "
             f"{r['tier_read_pool_GBps']:.2f} (ratio {r['read_pool_ratio']:.2f}; through write_page "
-            f"{r['tier_read_pool_copy_GBps']:.2f}, {r['read_pool_speedup']:.2f} x slower)"
+            f"{r['tier_read_pool_copy_GBps']:.2f}, {r['read_pool_speedup']:.2f} x slower; on one thread "
+            f"{r['tier_read_pool_one_thread_GBps']:.2f}, {r['read_threads']} threads {r['read_pool_threads_speedup']:.2f} x "
+            f"faster; plain read into the pool {r['plain_read_pool_GBps']:.2f}, ratio {r['read_pool_same_dst_ratio']:.2f})"
         )
+    cold = result.get("file_cold")
+    if isinstance(cold, dict):
+        print(
+            f"file tier from the disk (page cache dropped): batch_read_into a host pool {cold['tier_read_pool_GBps']:.2f} "
+            f"GB/s on {cold['read_threads']} threads, {cold['tier_read_pool_one_thread_GBps']:.2f} on one; plain "
+            f"sequential read {cold['plain_read_GBps']:.2f} (ratios {cold['read_pool_ratio']:.2f} / "
+            f"{cold['read_pool_one_thread_ratio']:.2f})"
+        )
+    elif cold is not None:
+        print(f"file tier from the disk: {cold}")
     for name, label in (("redis", "redis tier"), ("redis_cluster", "redis-cluster tier (3+3 nodes)")):
         r = result.get(name)
         if isinstance(r, dict):

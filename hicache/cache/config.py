@@ -3,8 +3,8 @@
     --hicache-storage-backend file|redis|none        (default file)
     --hicache-write-policy write_through|write_through_selective|write_back
     --hicache-storage-prefetch-policy best_effort|wait_complete|timeout
-    --hicache-storage-backend-extra-config JSON       file: {"dir", "max_bytes", "fsync"};
-        redis: {"url", "timeout_s", "ttl_s", "backoff_initial_s", "backoff_max_s"}; any
+    --hicache-storage-backend-extra-config JSON       file: {"dir", "max_bytes", "fsync",
+        "read_threads"}; redis: {"url", "timeout_s", "ttl_s", "backoff_initial_s", "backoff_max_s"}; any
         backend: {"prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s",
         "prefetch_timeout_max_s"} for the timeout policy
     --hicache-size GB    host memory of the whole sidecar in GB, shared by its pools

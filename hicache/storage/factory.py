@@ -17,7 +17,7 @@ BACKENDS = ("file", "redis", "redis-cluster", "none")
 _REDIS_OPTIONS = ("url", "timeout_s", "ttl_s", "backoff_initial_s", "backoff_max_s")
 # extra-config keys each backend accepts
 BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "file": ("dir", "max_bytes", "fsync"),
+    "file": ("dir", "max_bytes", "fsync", "read_threads"),
     "redis": (*_REDIS_OPTIONS, "cluster"),
     "redis-cluster": _REDIS_OPTIONS,  # = "redis" with "cluster": true
     "none": (),
@@ -78,7 +78,12 @@ def check_extra(backend: str, extra: Mapping[str, Any], also: tuple[str, ...] = 
     if backend == "file":
         from hicache.storage import file
 
-        file.check_options(extra.get("dir") or default_file_dir(), extra.get("max_bytes"), extra.get("fsync", True))
+        file.check_options(
+            extra.get("dir") or default_file_dir(),
+            extra.get("max_bytes"),
+            extra.get("fsync", True),
+            extra.get("read_threads", file.DEFAULT_READ_THREADS),
+        )
     if backend == "redis":
         from hicache.storage import redis
 
@@ -90,7 +95,7 @@ def check_extra(backend: str, extra: Mapping[str, Any], also: tuple[str, ...] = 
 
 # Live file tiers of this process: two pools of one identity (an engine that registers again
 # before its old lease ran out, or two replicas of one model) share the folder's index and cap.
-_FILE_TIERS: weakref.WeakValueDictionary[tuple[Path, TierIdentity, Any, Any], StorageTier] = (
+_FILE_TIERS: weakref.WeakValueDictionary[tuple[Path, TierIdentity, Any, Any, Any], StorageTier] = (
     weakref.WeakValueDictionary()
 )
 _FILE_TIERS_LOCK = threading.Lock()
@@ -100,7 +105,8 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
     """A tier of `backend` ("file", "redis" or "none") for `identity`; a file tier for a
     folder and identity that is already open in this process is shared, not opened twice.
 
-    extra for file: {"dir": PATH, "max_bytes": N, "fsync": true | false | "batch"}; for redis: {"url": ...,
+    extra for file: {"dir": PATH, "max_bytes": N, "fsync": true | false | "batch", "read_threads": N};
+    for redis: {"url": ...,
     "cluster": bool, "timeout_s": ..., "ttl_s": ..., "backoff_initial_s": ...,
     "backoff_max_s": ...} (redis-cluster: the same without "cluster").
     Raises ValueError naming a bad backend, key or value.
@@ -108,15 +114,17 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
     check_extra(backend, extra)
     backend, extra = resolved(backend, extra)
     if backend == "file":
-        from hicache.storage.file import FileTier
+        from hicache.storage.file import DEFAULT_READ_THREADS, FileTier
 
         directory = Path(extra.get("dir") or default_file_dir()).resolve()
         max_bytes, fsync = extra.get("max_bytes"), extra.get("fsync", True)
+        readers = extra.get("read_threads", DEFAULT_READ_THREADS)
         with _FILE_TIERS_LOCK:  # one FileTier (one index, one cap) per folder and identity
-            shared = (directory, identity, max_bytes, fsync)
+            shared = (directory, identity, max_bytes, fsync, readers)
             tier = _FILE_TIERS.get(shared)
             if tier is None:
-                tier = _FILE_TIERS[shared] = FileTier(identity, directory, max_bytes=max_bytes, fsync=fsync)
+                tier = FileTier(identity, directory, max_bytes=max_bytes, fsync=fsync, read_threads=readers)
+                _FILE_TIERS[shared] = tier
             return tier
     if backend == "redis":
         from hicache.storage.redis import RedisTier

@@ -27,6 +27,7 @@ import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -43,7 +44,13 @@ IOV_MAX = max(0, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names el
 R = TypeVar("R")
 
 
-def check_options(directory: object, max_bytes: object, fsync: object) -> None:
+# Reads in flight per batch_read_into. From a disk, what helps is queue depth, not cores
+# (2-core VM, 256 MiMo pages after drop_caches: 1.0 GB/s on 1 thread, 1.5-1.6 on 4, 1.7 on 8);
+# from the page cache they are at par with one thread here (the checksum holds the GIL).
+DEFAULT_READ_THREADS = 4
+
+
+def check_options(directory: object, max_bytes: object, fsync: object, read_threads: object = 1) -> None:
     """Raise ValueError naming the first bad FileTier option (also used to check a sidecar's
     extra config at start-up, before any pool registers)."""
     if not isinstance(directory, str | os.PathLike):
@@ -54,6 +61,8 @@ def check_options(directory: object, max_bytes: object, fsync: object) -> None:
         raise ValueError(f"max_bytes must be an int >= 1 or None, got {max_bytes!r}")
     if not isinstance(fsync, bool) and fsync != "batch":
         raise ValueError(f'file tier "fsync" must be true, false or "batch", got {fsync!r}')
+    if not is_int(read_threads) or not 1 <= read_threads <= 64:
+        raise ValueError(f'file tier "read_threads" must be an int from 1 to 64, got {read_threads!r}')
 
 
 RECENCY_BATCH = 1024  # reads between two writes of the read order to the files' mtimes
@@ -62,7 +71,11 @@ RECENCY_BATCH = 1024  # reads between two writes of the read order to the files'
 class FileTier(StorageTier):
     """Pages of `identity` under `directory`, at most `max_bytes` of page files (None: no cap).
 
-    Raises ValueError for a bad max_bytes, OSError if the folder cannot be created.
+    batch_read_into reads up to `read_threads` page files at once (default 4): a disk serves
+    several reads in flight faster than one after another.
+
+    Raises ValueError for a bad max_bytes or read_threads, OSError if the folder cannot be
+    created.
     """
 
     backend = "file"
@@ -74,9 +87,10 @@ class FileTier(StorageTier):
         *,
         max_bytes: int | None = None,
         fsync: bool | str = True,
+        read_threads: int = DEFAULT_READ_THREADS,
     ):
         super().__init__(identity)
-        check_options(directory, max_bytes, fsync)
+        check_options(directory, max_bytes, fsync, read_threads)
         self.root = Path(directory) / identity.qualifier
         self.max_bytes = max_bytes
         self.fsync = fsync
@@ -86,6 +100,9 @@ class FileTier(StorageTier):
         self._disk_full = False  # the last batch hit ENOSPC; cleared by a batch that did not
         self._read_since: OrderedDict[bytes, None] = OrderedDict()  # read, recency not yet on disk
         self._buffers = threading.local()  # each thread's reused page buffer (batch_read)
+        self.read_threads = read_threads
+        self._readers: ThreadPoolExecutor | None = None  # batch_read_into's, made on first use
+        self._readers_pid = 0  # the process that made them (a forked child makes its own)
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
 
@@ -165,14 +182,27 @@ class FileTier(StorageTier):
     def batch_read_into(self, keys: Sequence[bytes], pieces_of: Callable[[int], Sequence[memoryview]]) -> int:
         """batch_read straight into each page's pieces: one preadv per file (header + key
         into a small buffer, the payload into the pieces), verified over the pieces. No
-        buffer in between, so the payload is copied once, by the kernel."""
-        n = 0
-        for i, key in enumerate(keys):
+        buffer in between, so the payload is copied once, by the kernel. Up to read_threads
+        files are read at once; the keys and pieces are all checked before any is read. The
+        pages after the first miss may have been read too (and counted as hits): their pieces,
+        like the miss's, may hold any bytes."""
+        for key in keys:
             fmt.check_key(key)
-            if not self._read_into(key, check_pieces(pieces_of(i), self.identity.page_bytes)):
-                break
-            n += 1
-        return n
+        pieces = [check_pieces(pieces_of(i), self.identity.page_bytes) for i in range(len(keys))]
+        if self.read_threads == 1 or len(keys) < 2:
+            n = 0
+            while n < len(keys) and self._read_into(keys[n], pieces[n]):
+                n += 1
+            return n
+        found = list(self._reader_pool().map(self._read_into, keys, pieces))
+        return found.index(False) if False in found else len(found)
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._readers is None or self._readers_pid != os.getpid():  # threads do not survive fork
+                self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="hicache-file-read")
+                self._readers_pid = os.getpid()
+            return self._readers
 
     def _read_into(self, key: bytes, pieces: Sequence[memoryview]) -> bool:
         head = memoryview(bytearray(fmt.HEADER_BYTES + len(key)))
@@ -276,6 +306,10 @@ class FileTier(StorageTier):
 
     def close(self) -> None:
         self.persist_recency()
+        with self._lock:
+            readers, self._readers = self._readers, None
+        if readers is not None and self._readers_pid == os.getpid():
+            readers.shutdown(wait=True)
 
     def _refuse(self, key: bytes, why: str) -> None:
         """A page file that is not a page: deleted, counted corrupt, served as a miss."""

@@ -194,3 +194,57 @@ def test_batch_read_into_reads_across_iov_max_and_refuses_bad_files(tmp_path, mo
     assert tier.batch_read_into([key(2)], pieces_of) == 0 and not p2.exists()
     s = tier.stats()
     assert (s.hits, s.corrupt, s.misses) == (2, 2, 2)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_batch_read_into_on_several_threads_lands_each_page_in_its_own_pieces(tmp_path, threads):
+    g = GEOMETRIES["mimo_kv"]
+    tier = FileTier(identity(g), tmp_path, read_threads=threads)
+    for i in range(12):
+        assert tier.set(key(i), payload(g, i))
+    order = [7, 3, 11, 0, 5, 9, 1, 10, 2, 8, 6, 4]
+    pages = [bytearray(g.page_bytes) for _ in order]
+    half = g.page_bytes // 2
+
+    def pieces_of(i: int) -> list[memoryview]:
+        return [memoryview(pages[i])[:half], memoryview(pages[i])[half:]]
+
+    assert tier.batch_read_into([key(k) for k in order], pieces_of) == len(order)
+    assert all(bytes(pages[i]) == payload(g, k) for i, k in enumerate(order))
+    assert tier.stats().hits == len(order)
+    pages = [bytearray(g.page_bytes) for _ in order]
+    wanted = [key(0), key(1), key(2), key(99), key(3), key(4)]  # key 99 is in no file
+    assert tier.batch_read_into(wanted, pieces_of) == 3  # the prefix before the miss
+    assert [bytes(pages[i]) for i in range(3)] == [payload(g, k) for k in range(3)]
+    tier.close()
+    tier.close()  # idempotent
+    assert tier.batch_read_into([key(5), key(6)], pieces_of) == 2  # a closed tier's readers come back
+    assert bytes(pages[1]) == payload(g, 6)
+
+
+def test_batch_read_into_checks_every_key_and_piece_before_reading_any(tmp_path):
+    g = GEOMETRIES["mimo_kv"]
+    tier = FileTier(identity(g), tmp_path, read_threads=4)
+    for i in range(4):
+        assert tier.set(key(i), payload(g, i))
+    pages = [bytearray(g.page_bytes) for _ in range(4)]
+
+    def pieces_of(i: int) -> list[memoryview]:
+        return [memoryview(pages[i])[: -1 if i == 3 else None]]  # page 3's pieces are a byte short
+
+    with pytest.raises(ValueError, match=f"add up to {g.page_bytes - 1} bytes"):
+        tier.batch_read_into([key(i) for i in range(4)], pieces_of)
+    with pytest.raises(ValueError):
+        tier.batch_read_into([key(0), b""], pieces_of)  # an empty key
+    assert tier.stats().hits == 0 and not any(any(p) for p in pages)  # nothing was read
+
+
+@pytest.mark.parametrize("bad", [0, -1, 65, 2.0, "2", True, None])
+def test_read_threads_must_be_an_int_from_1_to_64(tmp_path, bad):
+    from hicache.storage.factory import check_extra
+
+    g = GEOMETRIES["mimo_kv"]
+    with pytest.raises(ValueError, match=f'"read_threads" must be an int from 1 to 64, got {bad!r}'):
+        FileTier(identity(g), tmp_path, read_threads=bad)
+    with pytest.raises(ValueError, match=f"got {bad!r}"):
+        check_extra("file", {"dir": str(tmp_path), "read_threads": bad})
