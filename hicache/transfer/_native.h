@@ -43,7 +43,8 @@ Share *load_shares(uintptr_t dst_addr, long long dst_size, uintptr_t src_addr, l
 /* Copy one share, publishing its layers (_native.c). Needs no GIL. */
 void run_share(const Share *sh);
 /* Copy every share: share 0 in the calling thread, the others on the copy crew's threads
- * (_native_crew.c), or on threads of their own while the crew is in use. Needs no GIL;
+ * (_native_crew.c), or on threads of their own while the crew is in use; count <=
+ * MAX_SHARES (load_shares checks it). Needs no GIL;
  * non-zero when such a thread could not be joined (its copy is done anyway). */
 int run_shares(const Share *shares, Py_ssize_t count);
 void free_shares(Share *shares, Py_ssize_t count);

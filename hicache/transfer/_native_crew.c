@@ -19,6 +19,7 @@
 #include "_native.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <time.h>
 
 #ifdef __linux__
@@ -55,6 +56,9 @@ static int64_t now_ns(void) {
 static uint32_t await_change(uint32_t *word, uint32_t seen) {
     uint32_t now;
     int64_t until = 0;
+#ifndef __linux__
+    long nap_ns = 20000; /* no futex: naps that grow to 1 ms, so an idle member is cheap */
+#endif
     for (int i = 0; (now = __atomic_load_n(word, __ATOMIC_ACQUIRE)) == seen; i++) {
         if (i % 64 == 0) {
             int64_t t = now_ns();
@@ -64,8 +68,9 @@ static uint32_t await_change(uint32_t *word, uint32_t seen) {
 #ifdef __linux__
                 syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
 #else
-                struct timespec ts = {0, 20000};
+                struct timespec ts = {0, nap_ns};
                 nanosleep(&ts, NULL);
+                nap_ns = nap_ns < 500000 ? nap_ns * 2 : 1000000;
 #endif
                 continue;
             }
@@ -121,15 +126,20 @@ static void forget_crew(void) {
 
 static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_crew); }
 
-/* Start members until there are `want`. Called holding `busy`. */
+/* Start members until there are `want`, with every signal blocked (a signal meant for the
+ * process is handled by a thread that runs Python, never by a member). Called holding `busy`. */
 static void hire(int want) {
+    sigset_t all, before;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &before);
     while (hired < want) {
         pthread_t thread;
         if (pthread_create(&thread, NULL, serve, (void *)(uintptr_t)generation) != 0)
-            return; /* fewer members: the caller takes what they do not (not layer-wise) */
+            break; /* fewer members: the caller takes what they do not (not layer-wise) */
         pthread_detach(thread);
         hired++;
     }
+    pthread_sigmask(SIG_SETMASK, &before, NULL);
 }
 
 static void *run_alone(void *share) {
