@@ -10,6 +10,8 @@ drawn from pools twice the transfer size. Ratios:
   naive_ratio                   torch index_select + index_copy_ over token rows (both directions, mean)
   pageN_offload_ratio / pageN_reload_ratio (N = 1, 4, 16)  the same for transfers of N pages
                                 (fixed per-call costs), with pageN_*_us the engine's time;
+                                on CPU, pageN_*_one_thread_ratio against a memcpy of the same
+                                bytes on one thread (numpy's copyto; copy_ uses every core);
                                 with the native backend, pageN_*_chunks_ratio is the C copy
                                 of exactly those pages' chunks (descriptors made beforehand,
                                 one thread) over the engine's time: the share of a call that
@@ -184,6 +186,10 @@ def small_rounds(
         "h2d": lambda: dev_bytes.copy_(host_bytes),
         "reload": lambda: engine.reload(h, d),
     }
+    if not device.flat.is_cuda:  # the same bytes on one thread (numpy), where copy_ uses them all
+        dev_np, host_np = dev_bytes.numpy(), host_bytes.numpy()
+        fns["d2h_one"] = lambda: np.copyto(host_np, dev_np)
+        fns["h2d_one"] = lambda: np.copyto(dev_np, host_np)
     if engine.backend == "native":
         layers = range(g.layer_num)
         to_host = make_plan(d, device.num_pages, h, host.num_pages, g.layer_num)
@@ -214,6 +220,9 @@ def fixed_costs(
             pairs = zip(rounds[base], rounds[name], strict=True)
             out[f"page{n}_{name}_ratio"] = statistics.median(m / e for m, e in pairs)
             out[f"page{n}_{name}_us"] = statistics.median(rounds[name]) * 1e6
+            if f"{base}_one" in rounds:
+                ones = zip(rounds[f"{base}_one"], rounds[name], strict=True)
+                out[f"page{n}_{name}_one_thread_ratio"] = statistics.median(m / e for m, e in ones)
             if f"{base}_chunks" in rounds:
                 chunks = zip(rounds[f"{base}_chunks"], rounds[name], strict=True)
                 out[f"page{n}_{name}_chunks_ratio"] = statistics.median(c / e for c, e in chunks)

@@ -25,9 +25,13 @@ def test_benchmark_smoke_json(layout, capsys):
     out = json.loads(capsys.readouterr().out)
     for key in ("offload_gbps", "reload_gbps", "memcpy_gbps", "offload_ratio", "reload_ratio", "naive_ratio"):
         assert out[key] > 0, key
-    for key in ("page1_offload_ratio", "page1_reload_ratio", "page1_offload_us", "layerwise_over_plain"):
+    for key in ("page1_offload_ratio", "page1_reload_ratio", "page1_offload_us", "page1_offload_one_thread_ratio"):
         assert out[key] > 0, key
-    assert out["layerwise_over_plain_1page"] > 0 and out["layerwise_busy_over_plain"] > 0
+    assert (
+        out["layerwise_over_plain"] > 0
+        and out["layerwise_over_plain_1page"] > 0
+        and out["layerwise_busy_over_plain"] > 0
+    )
     assert "page16_offload_ratio" not in out  # a transfer of 3 pages has no 16-page figure
     assert out["layout"] == layout and out["pages"] == 3 and out["page_size"] == 2 and out["device"] == "cpu"
     assert out["geometry"]["v_head_dim"] == 128 and out["geometry"]["layer_num"] == 9
