@@ -176,7 +176,8 @@ def small_rounds(
     engine: TransferEngine, device: FlatPool, host: FlatPool, d: np.ndarray, h: np.ndarray, reps: int
 ) -> dict[str, list[float]]:
     """Offload / reload of pages d <-> h, interleaved with memcpy of their bytes and, with
-    the native backend, the C copy of exactly the pages' chunks (descriptors built before)."""
+    the native backend, the C copy of exactly the pages' chunks (descriptors built before);
+    on CPU, then in rounds of their own, with a one-thread memcpy (the *_one keys)."""
     g = device.geometry
     nbytes = len(d) * g.page_bytes
     dev_bytes, host_bytes = device.flat[:nbytes], host.flat[:nbytes]
@@ -186,17 +187,25 @@ def small_rounds(
         "h2d": lambda: dev_bytes.copy_(host_bytes),
         "reload": lambda: engine.reload(h, d),
     }
-    if not device.flat.is_cuda:  # the same bytes on one thread (numpy), where copy_ uses them all
-        dev_np, host_np = dev_bytes.numpy(), host_bytes.numpy()
-        fns["d2h_one"] = lambda: np.copyto(host_np, dev_np)
-        fns["h2d_one"] = lambda: np.copyto(dev_np, host_np)
     if engine.backend == "native":
         layers = range(g.layer_num)
         to_host = make_plan(d, device.num_pages, h, host.num_pages, g.layer_num)
         to_dev = make_plan(h, host.num_pages, d, device.num_pages, g.layer_num)
         fns["d2h_chunks"] = native.batch_call(device, host, native.descriptors(device, host, to_host, layers), 1)
         fns["h2d_chunks"] = native.batch_call(host, device, native.descriptors(host, device, to_dev, layers), 1)
-    return interleaved(fns, reps, "cpu")
+    rounds = interleaved(fns, reps, "cpu")
+    if not device.flat.is_cuda:
+        # The same bytes on one thread (numpy), where copy_ uses every core: in rounds of their
+        # own, as more time between two copy_ calls lets torch's copy threads fall asleep.
+        dev_np, host_np = dev_bytes.numpy(), host_bytes.numpy()
+        one = {
+            "d2h_one": lambda: np.copyto(host_np, dev_np),
+            "offload_one": fns["offload"],
+            "h2d_one": lambda: np.copyto(dev_np, host_np),
+            "reload_one": fns["reload"],
+        }
+        rounds.update(interleaved(one, reps, "cpu"))
+    return rounds
 
 
 def layerwise_rounds(engine: TransferEngine, d: np.ndarray, h: np.ndarray, layers: int, reps: int) -> list[float]:
@@ -221,7 +230,7 @@ def fixed_costs(
             out[f"page{n}_{name}_ratio"] = statistics.median(m / e for m, e in pairs)
             out[f"page{n}_{name}_us"] = statistics.median(rounds[name]) * 1e6
             if f"{base}_one" in rounds:
-                ones = zip(rounds[f"{base}_one"], rounds[name], strict=True)
+                ones = zip(rounds[f"{base}_one"], rounds[f"{name}_one"], strict=True)
                 out[f"page{n}_{name}_one_thread_ratio"] = statistics.median(m / e for m, e in ones)
             if f"{base}_chunks" in rounds:
                 chunks = zip(rounds[f"{base}_chunks"], rounds[name], strict=True)
