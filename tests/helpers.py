@@ -3,6 +3,7 @@ waiting for what other threads or processes do."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -34,3 +35,22 @@ def eventually(condition: Callable[[], object], timeout_s: float = 30.0, what: s
     while not condition():
         assert time.monotonic() < deadline, f"{what} did not hold within {timeout_s} s"
         time.sleep(0.02)
+
+
+def in_forked_child(check: Callable[[], bool]) -> bool:
+    """Fork, run check() in the child and return what it returned there (False if it raised)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            ok = bool(check())
+        finally:
+            os.write(w, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(w)
+    try:
+        return os.read(r, 1) == b"1"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)

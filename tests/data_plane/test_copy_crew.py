@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import in_forked_child
 
 from hicache.transfer import native
 
@@ -67,22 +68,11 @@ def test_calls_from_several_threads_at_once_each_copy_their_own_bytes() -> None:
 def test_a_forked_child_copies_with_a_crew_of_its_own() -> None:
     src = np.arange(4096 * 64, dtype=np.uint32).view(np.uint8)[: 4096 * 64]
     shared_copy(np.zeros_like(src), src, 2)  # the parent's crew is hired
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: its crew's members were not copied by fork
-        ok = False
-        try:
-            dst = np.zeros_like(src)
-            for _ in range(20):
-                shared_copy(dst, src, 4)
-            ok = bool(np.array_equal(dst, src))
-        finally:
-            os.write(w, b"1" if ok else b"0")
-            os._exit(0)
-    os.close(w)
-    try:
-        got = os.read(r, 1)
-    finally:
-        os.close(r)
-        os.waitpid(pid, 0)
-    assert got == b"1"
+
+    def child() -> bool:  # its crew's members were not copied by fork
+        dst = np.zeros_like(src)
+        for _ in range(20):
+            shared_copy(dst, src, 4)
+        return bool(np.array_equal(dst, src))
+
+    assert in_forked_child(child)
