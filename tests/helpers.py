@@ -4,6 +4,8 @@ waiting for what other threads or processes do."""
 from __future__ import annotations
 
 import os
+import select
+import signal
 import time
 from collections.abc import Callable
 
@@ -37,8 +39,9 @@ def eventually(condition: Callable[[], object], timeout_s: float = 30.0, what: s
         time.sleep(0.02)
 
 
-def in_forked_child(check: Callable[[], bool]) -> bool:
-    """Fork, run check() in the child and return what it returned there (False if it raised)."""
+def in_forked_child(check: Callable[[], bool], timeout: float = 120.0) -> bool:
+    """Fork, run check() in the child and return what it returned there (False if it raised,
+    or if it did not answer within `timeout` seconds: the child is then killed)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -50,6 +53,10 @@ def in_forked_child(check: Callable[[], bool]) -> bool:
             os._exit(0)
     os.close(w)
     try:
+        ready, _, _ = select.select([r], [], [], timeout)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            return False
         return os.read(r, 1) == b"1"
     finally:
         os.close(r)
