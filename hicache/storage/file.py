@@ -50,7 +50,9 @@ R = TypeVar("R")
 DEFAULT_READ_THREADS = 4
 
 
-def check_options(directory: object, max_bytes: object, fsync: object, read_threads: object = 1) -> None:
+def check_options(
+    directory: object, max_bytes: object, fsync: object, read_threads: object = DEFAULT_READ_THREADS
+) -> None:
     """Raise ValueError naming the first bad FileTier option (also used to check a sidecar's
     extra config at start-up, before any pool registers)."""
     if not isinstance(directory, str | os.PathLike):

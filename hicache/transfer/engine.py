@@ -255,6 +255,12 @@ class TransferEngine:
         layer-wise reload can use)."""
         return min(MAX_SHARES, self._copy_threads or torch.get_num_threads())
 
+    def _shares_for(self, nbytes: int, words: int = MAX_SHARES) -> int:
+        """Shares of a native transfer of `nbytes`: one per copy thread (at most `words`, the
+        progress words it can publish into) from native.SHARE_MIN_BYTES on, else 1 (this
+        thread only)."""
+        return max(1, min(words, self.shares)) if nbytes >= native.SHARE_MIN_BYTES else 1
+
     def _drive(self, src: Pool, dst: Pool, plan: TransferPlan, handle: CpuTransferHandle) -> None:
         try:
             if self.backend == "native" and handle.words is not None:
@@ -272,7 +278,7 @@ class TransferEngine:
         """Every layer in one C call from this thread (its first share here, the others on
         the copy crew), each share publishing into its word."""
         batch = native.layered(src, dst, plan, plan.layers)
-        shares = max(1, min(len(words), self.shares)) if batch.nbytes >= native.SHARE_MIN_BYTES else 1
+        shares = self._shares_for(batch.nbytes, len(words))
         self._publish_spares(words, shares, len(plan.layers))
         native.layered_call(src, dst, batch, words.addresses[:shares])()
 
@@ -281,7 +287,7 @@ class TransferEngine:
         whose thread starts it without the GIL: its shares, on threads of the C code's own,
         publish their layers into the words, the handle's only news of the copy."""
         batch = native.layered(src, dst, plan, plan.layers)
-        shares = max(1, min(len(words), self.shares))
+        shares = self._shares_for(batch.nbytes, len(words))  # queued ones are past SHARE_MIN_BYTES
         self._publish_spares(words, shares, len(plan.layers))
         with self._lock:
             if self._queue is None:
@@ -312,7 +318,7 @@ class TransferEngine:
             return
         if self.backend == "native":
             batch = native.descriptors(src, dst, plan, plan.layers if layers is None else layers)
-            shares = self.shares if batch.nbytes >= native.SHARE_MIN_BYTES else 1  # tiny: this thread only
+            shares = self._shares_for(batch.nbytes)
             native.batch_call(src, dst, batch, shares)()
             return
         runs = None if layers is None else [(layer, 1) for layer in layers]
