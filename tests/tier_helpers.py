@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import load_config
 
+from hicache.demo.redis_cluster import free_ports
 from hicache.geometry import KVGeometry
 from hicache.storage import Buffer, StorageTier, TierHealth, TierIdentity
 
@@ -114,9 +115,7 @@ class RedisServer:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, bus=False)[0]
 
 
 class MemoryTier(StorageTier):

@@ -7,6 +7,7 @@ points hicache at its own cluster instead.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -43,7 +44,7 @@ class LocalRedisCluster:
                 raise FileNotFoundError(f"{exe} is not installed (apt-get install redis-server)")
         self.folder = Path(folder)
         self.masters, self.replicas, self.node_timeout_ms = masters, replicas, node_timeout_ms
-        self.nodes = [ClusterNode(port, self.folder / str(port)) for port in _free_ports(masters * (1 + replicas))]
+        self.nodes = [ClusterNode(port, self.folder / str(port)) for port in free_ports(masters * (1 + replicas))]
 
     @property
     def url(self) -> str:
@@ -57,8 +58,8 @@ class LocalRedisCluster:
     def start(self, timeout_s: float = 60.0) -> LocalRedisCluster:
         for node in self.nodes:
             self._spawn(node)
-        for node in self.nodes:
-            _wait_ping(node, timeout_s)
+        for i, node in enumerate(self.nodes):
+            self.nodes[i] = self._wait_started(node, timeout_s)
         addresses = [n.address for n in self.nodes]
         self._cli("--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas), "--cluster-yes")
         self.wait_ok(timeout_s)
@@ -101,6 +102,23 @@ class LocalRedisCluster:
         log = open(node.folder / "redis.log", "ab")  # noqa: SIM115 - the child holds it
         node.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
+
+    def _wait_started(self, node: ClusterNode, timeout_s: float, tries: int = 3) -> ClusterNode:
+        """`node`, or a node on new ports in its place when another process bound its port (or
+        its bus port) after free_ports() found it free."""
+        for _ in range(tries):
+            if _wait_ping(node, timeout_s):
+                return node
+            log = node.folder / "redis.log"
+            if b"Address already in use" not in log.read_bytes():
+                break
+            taken = {n.port for n in self.nodes}
+            port = free_ports(1)[0]
+            while port in taken:
+                port = free_ports(1)[0]
+            node = ClusterNode(port, self.folder / str(port))
+            self._spawn(node)
+        raise RuntimeError(f"redis-server on port {node.port} did not start (log: {node.folder / 'redis.log'})")
 
     def _cli(self, *args: str, node: ClusterNode | None = None, timeout_s: float = 120.0) -> str:
         target = node or self._live()
@@ -216,34 +234,63 @@ class LocalRedisCluster:
         self.stop()
 
 
-def _free_ports(n: int) -> list[int]:
-    """n loopback ports free now whose cluster bus port (port + 10000) is free too."""
+def free_ports(n: int, bus: bool = True) -> list[int]:
+    """n loopback ports free now (with their cluster bus port, port + 10000, when `bus`),
+    drawn below the kernel's ephemeral range: a port in that range can be taken by any
+    outgoing connection between this check and the server's bind."""
+    low = _ephemeral_low()
+    span = range(10000, low - 10000) if bus else range(10000, low)
     ports: list[int] = []
-    while len(ports) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port + 10000 > 65535 or port in ports:
+    for _ in range(100 * n):
+        if len(ports) == n:
+            break
+        port = random.choice(span) if len(span) > 100 else _any_port()
+        if port in ports or (bus and port + 10000 > 65535):
             continue
-        try:
-            with socket.socket() as bus:
-                bus.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
-        ports.append(port)
+        if _bindable(port) and (not bus or _bindable(port + 10000)):
+            ports.append(port)
+    if len(ports) < n:
+        raise RuntimeError(f"found only {len(ports)} of {n} free loopback ports")
     return ports
 
 
-def _wait_ping(node: ClusterNode, timeout_s: float) -> None:
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+
+
+def _any_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ping(node: ClusterNode, timeout_s: float) -> bool:
+    """True once the node answers PING; False when it exited first. Raises after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             with socket.create_connection(("127.0.0.1", node.port), timeout=1) as s:
                 s.sendall(b"PING\r\n")
                 if s.recv(16).startswith(b"+PONG"):
-                    return
+                    return True
         except OSError:
             pass
-        if not node.alive or time.monotonic() > deadline:
-            raise RuntimeError(f"redis-server on port {node.port} did not start (log: {node.folder / 'redis.log'})")
+        if not node.alive:
+            return False
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"redis-server on port {node.port} did not answer in {timeout_s} s (log: {node.folder / 'redis.log'})"
+            )
         time.sleep(0.02)

@@ -5,6 +5,7 @@ the start-up errors for a config that disagrees with the server about being a cl
 from __future__ import annotations
 
 import random
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import redis
 from helpers import eventually
 from tier_helpers import GEOMETRIES, RedisServer, identity, key, payload
 
-from hicache.demo.redis_cluster import LocalRedisCluster
+from hicache.demo.redis_cluster import LocalRedisCluster, _ephemeral_low
 from hicache.storage import make_tier
 from hicache.storage.factory import backend_reachable, check_backend_kind
 from hicache.storage.redis import RedisTier
@@ -249,3 +250,24 @@ def test_a_batch_waits_for_every_node_when_one_fails_at_once(
     assert [read[i] for i in range(first_miss)] == [p for _, p in pages[1 : 1 + first_miss]]
     tier.close()
     redis_cluster.flush()
+
+
+def test_the_local_cluster_starts_when_a_port_is_taken_after_it_was_picked(tmp_path: Path) -> None:
+    """Another process binds a node's port between free_ports() and redis-server's bind (a CI
+    run failed so once): the node moves to new ports and the cluster still serves every slot."""
+    cluster = LocalRedisCluster(tmp_path / "cluster")
+    picked = [n.port for n in cluster.nodes]
+    assert all(p + 10000 < _ephemeral_low() for p in picked)  # below the ephemeral range
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", picked[0]))
+    squatter.listen()
+    try:
+        with cluster:
+            assert cluster.nodes[0].port != picked[0]
+            assert [n.port for n in cluster.nodes[1:]] == picked[1:]
+            assert b"Address already in use" in (tmp_path / "cluster" / str(picked[0]) / "redis.log").read_bytes()
+            with redis.RedisCluster.from_url(cluster.url) as client:
+                client.set(b"k", b"v")
+                assert client.get(b"k") == b"v"
+    finally:
+        squatter.close()
