@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicache.demo.redis_cluster import LocalRedisCluster
+from hicache.demo.redis_cluster import LocalRedisCluster, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = {"hicache-server": [sys.executable, "-m", "server"], "hicache": [sys.executable, "-m", "hicache.cli"]}
@@ -53,12 +52,6 @@ def dockerfile_image(path: Path) -> dict[str, Any]:
         elif word == "ENV":
             out["env"].update(dict(item.split("=", 1) for item in shlex.split(rest)))
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _listify(value: Any) -> list[str]:
@@ -102,7 +95,7 @@ class LocalCompose:
                 assert len(exposed) == len(clusters[name].nodes), f"{name}: one exposed port per node"
                 local_ports = [n.port for n in clusters[name].nodes]
             else:
-                local_ports = [_free_port() for _ in exposed]
+                local_ports = free_ports(len(exposed), bus=False)
             self.ports.update({(name, port): local for port, local in zip(exposed, local_ports, strict=True)})
         self.services = {name: self._service(name, spec) for name, spec in specs.items()}
         for name, cluster in clusters.items():
