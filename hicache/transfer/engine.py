@@ -41,6 +41,7 @@ def _forget_threads_after_fork() -> None:
     for engine in list(_engines):
         engine._lock = threading.Lock()  # it may have been held by a thread of the parent
         engine._driver = engine._copier = engine._queue = None
+        engine._writers.forget_after_fork()
 
 
 if hasattr(os, "register_at_fork"):
@@ -71,7 +72,8 @@ class TransferEngine:
     one transfer at a time may write a given page: a transfer whose destination pages
     overlap an unfinished one's raises ValueError.
     Call close() (or use `with`) to stop the engine's threads. A forked child's engine
-    starts threads of its own on use (transfers the parent left unfinished stay so there).
+    starts threads of its own on use. Transfers the parent left unfinished do not run in the
+    child: their pages hold what was copied by the fork, and the child may write them again.
 
     Raises ValueError if the pools' geometries differ, for an unknown backend, or for
     "native" on CUDA pools or without the built extension.

@@ -74,6 +74,13 @@ class WriterRegistry:
             wanted = self._check(pool, pages)
             yield lambda done: self._active.append((pool, wanted, done))
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's unfinished transfers do not run here (their pages
+        hold what was copied by the fork) and would never be done, and the lock may have
+        been held by a thread that was not copied; start empty."""
+        self._lock = threading.Lock()
+        self._active = []
+
     def active(self) -> list[tuple[str, frozenset[int]]]:
         """The (pool, pages) of unfinished transfers."""
         with self._lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 import time
 import weakref
 
@@ -161,6 +162,41 @@ def test_a_forked_child_runs_asynchronous_transfers_on_threads_of_its_own() -> N
             # child's torch waits forever for the OpenMP threads the parent's copy_ started
 
         assert in_forked_child(child)
+
+
+def test_a_forked_child_is_not_held_by_the_parents_unfinished_transfers() -> None:
+    """At the fork a parent thread holds the engine's page registry, and a transfer to host
+    pages 0..3 is unfinished. Neither is copied as a thread into the child: its transfers to
+    those pages must run, not hang on the lock or be refused for a transfer that never ends."""
+    g = mimo()
+    dev, host = DeviceKVPool(g, 8), HostKVPool(g, 8)
+    fill_random(dev, 6)
+    with TransferEngine(dev, host, "native", copy_threads=2) as engine:
+        registry = engine._writers
+        with registry.reserve("host_pages", np.arange(4)) as register:
+            register(lambda: False)  # never done in the parent either, while this test runs
+        with pytest.raises(ValueError, match="unfinished"):
+            engine.offload([0], [0])
+        held, release = threading.Event(), threading.Event()
+
+        def holder() -> None:
+            with registry._lock:
+                held.set()
+                release.wait(60)
+
+        thread = threading.Thread(target=holder)
+        thread.start()
+        held.wait(10)
+        try:
+
+            def child() -> bool:
+                engine.offload([0, 1, 2, 3], [0, 1, 2, 3])
+                return all(raw_page(host, p) == raw_page(dev, p) for p in range(4))
+
+            assert in_forked_child(child)
+        finally:
+            release.set()
+            thread.join(10)
 
 
 def raw_page(pool: DeviceKVPool | HostKVPool, page: int) -> bytes:
