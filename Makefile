@@ -3,10 +3,12 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# the C extensions' sources (setup.py): a change rebuilds the environments
+C_SOURCES := $(wildcard hicache/transfer/_native*.[ch] hicache/storage/_xxh3.c)
 
 .PHONY: demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm gpu-check
 
-$(STAMP): pyproject.toml setup.py hicache/transfer/_native.c hicache/transfer/_native_plan.c hicache/transfer/_native_queue.c hicache/transfer/_native_crew.c hicache/transfer/_native.h
+$(STAMP): pyproject.toml setup.py $(C_SOURCES)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -33,7 +35,7 @@ SGL_VENV ?= .venv-sglang
 SGL_PY := $(SGL_VENV)/bin/python
 SGL_STAMP := $(SGL_VENV)/.installed
 
-$(SGL_STAMP): requirements-sglang.txt pyproject.toml setup.py hicache/transfer/_native.c hicache/transfer/_native_plan.c hicache/transfer/_native_queue.c hicache/transfer/_native_crew.c hicache/transfer/_native.h
+$(SGL_STAMP): requirements-sglang.txt pyproject.toml setup.py $(C_SOURCES)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
 	$(PYTHON) -m venv $(SGL_VENV)
 	$(SGL_PY) -m pip install -q --upgrade pip
@@ -58,7 +60,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py hicache/transfer/_native.c hicache/transfer/_native_plan.c hicache/transfer/_native_queue.c hicache/transfer/_native_crew.c hicache/transfer/_native.h
+$(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py $(C_SOURCES)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip

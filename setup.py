@@ -17,9 +17,13 @@ native = Extension(
     optional=True,
 )
 
+# XXH3-64 of a stored page over its pieces without the GIL (hicache/storage/page_format.py);
+# optional too: without it, python-xxhash computes the same value holding the GIL.
+xxh3 = Extension("hicache.storage._xxh3", ["hicache/storage/_xxh3.c"], extra_compile_args=["-O3"], optional=True)
+
 setup(
     packages=[*find_packages(include=["hicache", "hicache.*"]), "hicache_server"],
     package_dir={"hicache_server": "server"},
     package_data={"hicache": ["py.typed"], "hicache.data": ["*.json"]},
-    ext_modules=[native],
+    ext_modules=[native, xxh3],
 )

@@ -14,7 +14,10 @@
     48 + K  P     payload: one canonical flat page (KVGeometry.page_bytes)
 
 The checksum is XXH3-64 when the `xxhash` package is installed, else zlib.crc32; the
-algorithm byte records which, so a reader verifies with the writer's algorithm. A page
+algorithm byte records which, so a reader verifies with the writer's algorithm. Where the
+C extension hicache.storage._xxh3 is built, it computes the XXH3-64 of a stored page (header
++ key + payload, always over 240 bytes) with the GIL released, so that reader threads
+verify pages at the same time; python-xxhash, which holds the GIL, does the rest. A page
 that fails any check raises PageError and is never served.
 """
 
@@ -26,6 +29,11 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from hicache.storage.base import Buffer, TierIdentity
+
+try:  # the same XXH3-64 without the GIL, for inputs over 240 bytes (the C extension; optional)
+    from hicache.storage._xxh3 import xxh3_64_long as _xxh3_long
+except ImportError:
+    _xxh3_long = None  # type: ignore[assignment]
 
 MAGIC = b"HKVP"
 VERSION = 1
@@ -59,6 +67,8 @@ def _checksummer(algorithm: int) -> Callable[[list[Buffer]], int] | None:
             return None
 
         def xxh(parts: list[Buffer]) -> int:
+            if _xxh3_long is not None and (value := _xxh3_long(parts)) is not None:
+                return value
             h = xxhash.xxh3_64()
             for p in parts:
                 h.update(p)

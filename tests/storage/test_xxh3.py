@@ -1,0 +1,124 @@
+"""hicache.storage._xxh3: the stored page's XXH3-64 over its pieces, without the GIL. It must
+give python-xxhash's value for every input over 240 bytes, however the input is cut, on both
+of its loops (AVX2 and the portable one)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tier_helpers import GEOMETRIES, identity, key, payload
+
+from hicache.storage import page_format as fmt
+
+try:
+    from hicache.storage import _xxh3
+except ImportError:
+    _xxh3 = None  # type: ignore[assignment]
+
+needs_ext = pytest.mark.skipif(_xxh3 is None, reason="hicache.storage._xxh3 is not built")
+
+
+def test_extension_is_built() -> None:
+    """Where a C compiler exists the install must have built it (else reads verify holding the GIL)."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: python-xxhash is the documented fallback")
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        pytest.skip("no Python headers: python-xxhash is the documented fallback")
+    assert _xxh3 is not None, "hicache.storage._xxh3 is not built: pip install -e . (or make setup) builds it"
+
+
+@pytest.fixture(params=[False, True], ids=["best", "portable"])
+def loop(request: pytest.FixtureRequest) -> Iterator[bool]:
+    if _xxh3 is None:
+        pytest.skip("hicache.storage._xxh3 is not built")
+    before = _xxh3.set_scalar(request.param)
+    yield request.param
+    _xxh3.set_scalar(before)
+
+
+def cut(data: bytes, rng: random.Random, pieces: int) -> list[bytes]:
+    points = sorted(rng.choices(range(len(data) + 1), k=pieces - 1))
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
+
+
+# around the edges of a stripe (64 bytes), a block (16 stripes) and the 240-byte limit
+LENGTHS = [241, 242, 255, 256, 257, 319, 320, 321, 1023, 1024, 1025, 1088, 2047, 2048, 2049, 16385, 1 << 20]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_equals_python_xxhash_whole_and_cut(loop: bool, length: int) -> None:
+    rng = random.Random(length)
+    data = rng.randbytes(length)
+    want = xxhash.xxh3_64_intdigest(data)
+    assert _xxh3.xxh3_64_long([data]) == want
+    for pieces in (2, 3, 7, 64):
+        assert _xxh3.xxh3_64_long(cut(data, rng, pieces)) == want, pieces
+
+
+@needs_ext
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(min_size=241, max_size=5000), cuts=st.lists(st.integers(0, 5000), max_size=8))
+def test_any_cut_of_any_long_input(data: bytes, cuts: list[int]) -> None:
+    points = sorted(c % (len(data) + 1) for c in cuts)
+    parts = [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
+    want = xxhash.xxh3_64_intdigest(data)
+    for scalar in (False, True):
+        before = _xxh3.set_scalar(scalar)
+        try:
+            assert _xxh3.xxh3_64_long(parts) == want
+        finally:
+            _xxh3.set_scalar(before)
+
+
+def test_buffers_of_any_kind_count_by_bytes(loop: bool) -> None:
+    data = np.random.default_rng(3).integers(0, 255, 5000, dtype=np.uint8)
+    raw = data.tobytes()
+    parts = [memoryview(raw)[:100], bytearray(raw[100:2000]), data[2000:].view(np.uint32)]
+    assert _xxh3.xxh3_64_long(parts) == xxhash.xxh3_64_intdigest(raw)
+
+
+@needs_ext
+@pytest.mark.parametrize("length", [0, 1, 16, 17, 128, 129, 240])
+def test_short_inputs_are_left_to_python_xxhash(length: int) -> None:
+    data = random.Random(length).randbytes(length)
+    assert _xxh3.xxh3_64_long([data]) is None
+    assert _xxh3.xxh3_64_long([data[:3], data[3:]]) is None
+
+
+@needs_ext
+def test_bad_arguments_name_what_is_wrong() -> None:
+    with pytest.raises(TypeError, match="sequence of buffers"):
+        _xxh3.xxh3_64_long(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="str"):
+        _xxh3.xxh3_64_long([b"x" * 300, "not bytes"])  # type: ignore[list-item]
+    strided = np.zeros((100, 8), np.uint8)[:, :4]
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        _xxh3.xxh3_64_long([strided])
+
+
+def test_pages_written_with_either_checksum_path_verify_with_the_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page format's XXH3 is the same value with and without the extension, so a page
+    written by a process without it reads back in one with it, and the reverse."""
+    g = GEOMETRIES["mimo_kv"]
+    ident = identity(g)
+    data = payload(g, 1)
+    with_ext = fmt.encode_page(ident, key(1), data)
+    monkeypatch.setattr(fmt, "_xxh3_long", None)
+    without = fmt.encode_page(ident, key(1), data)
+    assert with_ext == without and with_ext[6] == fmt.XXH3_64
+    assert bytes(fmt.decode_page(ident, key(1), with_ext)) == data
+    monkeypatch.undo()
+    assert bytes(fmt.decode_page(ident, key(1), without)) == data
+    damaged = bytearray(without)
+    damaged[-1] ^= 1
+    with pytest.raises(fmt.PageError, match="checksum"):
+        fmt.decode_page(ident, key(1), damaged)
