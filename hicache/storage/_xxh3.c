@@ -13,8 +13,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/uio.h>
 
 #define STRIPE 64
 #define STRIPES_PER_BLOCK 16 /* (sizeof(SECRET) - STRIPE) / 8 */
@@ -152,66 +154,108 @@ static int avx2_on(void) { return 0; }
 #define fold_run fold_scalar
 #endif
 
-/* XXH3-64 of the concatenation of n pieces of `total` (> 240) bytes. Every stripe before the
- * last (total - 1) / 64 is folded in order (a stripe split over two pieces is gathered into a
- * small buffer), then the input's final 64 bytes, which may overlap stripes already folded. */
-static uint64_t xxh3_long(const Py_buffer *parts, Py_ssize_t n, size_t total) {
-    state st = {{PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1}, 0};
-    const size_t stripes = (total - 1) / STRIPE;
+/* The long path fed in order, piece by piece, the whole length known from the start: every
+ * stripe before the last (total - 1) / 64 is folded as its bytes arrive (a stripe split over
+ * two pieces is gathered into `gathered`), then finish() folds the input's final 64 bytes,
+ * which may overlap stripes already folded, and merges. */
+typedef struct {
+    state st;
+    size_t stripes, total, have;
     uint8_t gathered[STRIPE];
-    size_t have = 0;
-    for (Py_ssize_t i = 0; i < n && st.done < stripes; i++) {
-        const uint8_t *p = parts[i].buf;
-        size_t left = (size_t)parts[i].len;
-        if (have) {
-            size_t take = STRIPE - have < left ? STRIPE - have : left;
-            memcpy(gathered + have, p, take);
-            have += take, p += take, left -= take;
-            if (have < STRIPE) continue;
-            fold_run(&st, gathered, 1);
-            have = 0;
-        }
-        size_t whole = left / STRIPE < stripes - st.done ? left / STRIPE : stripes - st.done;
-        fold_run(&st, p, whole);
-        p += whole * STRIPE, left -= whole * STRIPE;
-        if (left && st.done < stripes) {
-            memcpy(gathered, p, left);
-            have = left;
-        }
+} hasher;
+
+static void hasher_init(hasher *h, size_t total) {
+    state first = {{PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1}, 0};
+    h->st = first;
+    h->total = total;
+    h->stripes = (total - 1) / STRIPE;
+    h->have = 0;
+}
+
+static void hasher_feed(hasher *h, const uint8_t *p, size_t left) {
+    state *st = &h->st;
+    if (h->have && st->done < h->stripes) {
+        size_t take = STRIPE - h->have < left ? STRIPE - h->have : left;
+        memcpy(h->gathered + h->have, p, take);
+        h->have += take, p += take, left -= take;
+        if (h->have < STRIPE) return;
+        fold_run(st, h->gathered, 1);
+        h->have = 0;
     }
-    uint8_t last[STRIPE];
-    size_t need = STRIPE;
+    size_t whole = left / STRIPE < h->stripes - st->done ? left / STRIPE : h->stripes - st->done;
+    fold_run(st, p, whole);
+    p += whole * STRIPE, left -= whole * STRIPE;
+    if (left && st->done < h->stripes) {
+        memcpy(h->gathered, p, left);
+        h->have = left;
+    }
+}
+
+/* Fill out[0, need) with the last `need` bytes of the n buffers taken as one input (out's
+ * end first); returns how many bytes the buffers were short of. */
+static size_t fill_tail(const Py_buffer *parts, Py_ssize_t n, uint8_t *out, size_t need) {
     for (Py_ssize_t i = n - 1; i >= 0 && need; i--) {
         size_t len = (size_t)parts[i].len, take = len < need ? len : need;
-        memcpy(last + need - take, (const uint8_t *)parts[i].buf + len - take, take);
+        memcpy(out + need - take, (const uint8_t *)parts[i].buf + len - take, take);
         need -= take;
     }
-    accumulate(st.acc, last, SECRET + sizeof SECRET - STRIPE - 7);
-    uint64_t h = (uint64_t)total * PRIME64_1;
+    return need;
+}
+
+static uint64_t hasher_finish(hasher *h, const uint8_t last[STRIPE]) {
+    accumulate(h->st.acc, last, SECRET + sizeof SECRET - STRIPE - 7);
+    uint64_t v = (uint64_t)h->total * PRIME64_1;
     for (int i = 0; i < 4; i++)
-        h += mul_fold(st.acc[2 * i] ^ le64(SECRET + 11 + 16 * i), st.acc[2 * i + 1] ^ le64(SECRET + 11 + 16 * i + 8));
-    return avalanche(h);
+        v += mul_fold(h->st.acc[2 * i] ^ le64(SECRET + 11 + 16 * i), h->st.acc[2 * i + 1] ^ le64(SECRET + 11 + 16 * i + 8));
+    return avalanche(v);
+}
+
+static uint64_t xxh3_long(const Py_buffer *parts, Py_ssize_t n, size_t total) {
+    hasher h;
+    uint8_t last[STRIPE];
+    hasher_init(&h, total);
+    for (Py_ssize_t i = 0; i < n; i++) hasher_feed(&h, parts[i].buf, (size_t)parts[i].len);
+    fill_tail(parts, n, last, STRIPE);
+    return hasher_finish(&h, last);
+}
+
+/* Buffers of the objects in `seq` (a sequence), C-contiguous, writable if asked; their count
+ * in *n and byte total in *total. NULL with an exception set (nothing held) on failure. */
+static Py_buffer *get_buffers(PyObject *seq, int flags, const char *what, Py_ssize_t *n, size_t *total) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (fast == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(fast), got = 0;
+    Py_buffer *parts = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
+    if (parts == NULL) PyErr_NoMemory();
+    *total = 0;
+    for (; parts != NULL && got < count; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, got), &parts[got], flags) < 0) {
+            for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&parts[i]);
+            PyMem_Free(parts);
+            parts = NULL;
+            break;
+        }
+        *total += (size_t)parts[got].len;
+    }
+    Py_DECREF(fast);
+    *n = count;
+    return parts;
+}
+
+static void release_buffers(Py_buffer *parts, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) PyBuffer_Release(&parts[i]);
+    PyMem_Free(parts);
 }
 
 static PyObject *xxh3_64_long(PyObject *self, PyObject *arg) {
     (void)self;
-    PyObject *seq = PySequence_Fast(arg, "xxh3_64_long takes a sequence of buffers");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), got = 0;
-    Py_buffer *parts = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
-    PyObject *result = NULL;
-    if (parts == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    size_t total = 0;
-    for (; got < n; got++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &parts[got], PyBUF_C_CONTIGUOUS) < 0) goto out;
-        total += (size_t)parts[got].len;
-    }
+    Py_ssize_t n;
+    size_t total;
+    Py_buffer *parts = get_buffers(arg, PyBUF_C_CONTIGUOUS, "xxh3_64_long takes a sequence of buffers", &n, &total);
+    if (parts == NULL) return NULL;
     if (total < LONG_INPUT_MIN) {
-        result = Py_NewRef(Py_None);
-        goto out;
+        release_buffers(parts, n);
+        Py_RETURN_NONE;
     }
     uint64_t h;
     if (total >= RELEASE_GIL_BYTES) {
@@ -220,12 +264,94 @@ static PyObject *xxh3_64_long(PyObject *self, PyObject *arg) {
     } else {
         h = xxh3_long(parts, n, total);
     }
-    result = PyLong_FromUnsignedLongLong(h);
-out:
-    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&parts[i]);
-    PyMem_Free(parts);
-    Py_DECREF(seq);
-    return result;
+    release_buffers(parts, n);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+/* Read `pieces` in order from fd at `offset` in windows of about WINDOW_BYTES, and fold each
+ * window into the hash while it is still in the CPU's cache (the hash runs over `prefix`, then
+ * the pieces). Returns the bytes read, and sets *err to errno on a failed read; a short read
+ * (end of file) stops early. */
+#define WINDOW_BYTES (256 << 10)
+#define WINDOW_IOVS 64
+
+static size_t read_and_fold(int fd, off_t offset, Py_buffer *pieces, Py_ssize_t n, hasher *h, int *err) {
+    struct iovec iov[WINDOW_IOVS];
+    size_t read_total = 0, at = 0; /* at: bytes of pieces[i] already read */
+    Py_ssize_t i = 0;
+    *err = 0;
+    while (i < n) {
+        int cnt = 0;
+        size_t want = 0;
+        Py_ssize_t j = i;
+        size_t j_at = at;
+        while (j < n && cnt < WINDOW_IOVS && want < WINDOW_BYTES) {
+            size_t left = (size_t)pieces[j].len - j_at, take = left < WINDOW_BYTES - want ? left : WINDOW_BYTES - want;
+            if (take) {
+                iov[cnt].iov_base = (uint8_t *)pieces[j].buf + j_at;
+                iov[cnt].iov_len = take;
+                cnt++, want += take;
+            }
+            j_at += take;
+            if (j_at == (size_t)pieces[j].len) j++, j_at = 0;
+        }
+        if (want == 0) break;
+        ssize_t got;
+        do got = preadv(fd, iov, cnt, offset + (off_t)read_total);
+        while (got < 0 && errno == EINTR);
+        if (got < 0) {
+            *err = errno;
+            return read_total;
+        }
+        read_total += (size_t)got;
+        if ((size_t)got < want) return read_total; /* the file is shorter: the caller reports it */
+        if (h != NULL)
+            for (int k = 0; k < cnt; k++) hasher_feed(h, iov[k].iov_base, iov[k].iov_len);
+        i = j, at = j_at;
+    }
+    return read_total;
+}
+
+static PyObject *pread_xxh3(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    long long offset;
+    PyObject *prefix_seq, *pieces_seq;
+    if (!PyArg_ParseTuple(args, "iLOO:pread_xxh3", &fd, &offset, &prefix_seq, &pieces_seq)) return NULL;
+    if (offset < 0) return PyErr_Format(PyExc_ValueError, "offset must be >= 0, got %lld", offset);
+    Py_ssize_t np, nq;
+    size_t prefix_bytes, piece_bytes;
+    Py_buffer *prefix = get_buffers(prefix_seq, PyBUF_C_CONTIGUOUS, "prefix must be a sequence of buffers", &np, &prefix_bytes);
+    if (prefix == NULL) return NULL;
+    Py_buffer *pieces = get_buffers(pieces_seq, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, "pieces must be a sequence of writable buffers", &nq, &piece_bytes);
+    if (pieces == NULL) {
+        release_buffers(prefix, np);
+        return NULL;
+    }
+    size_t total = prefix_bytes + piece_bytes, got;
+    int err, hashed = total >= LONG_INPUT_MIN;
+    uint64_t digest = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    hasher h;
+    if (hashed) {
+        hasher_init(&h, total);
+        for (Py_ssize_t i = 0; i < np; i++) hasher_feed(&h, prefix[i].buf, (size_t)prefix[i].len);
+    }
+    got = read_and_fold(fd, (off_t)offset, pieces, nq, hashed ? &h : NULL, &err);
+    if (hashed && !err && got == piece_bytes) {
+        uint8_t last[STRIPE]; /* the input's last 64 bytes: from the pieces, then the prefix */
+        fill_tail(prefix, np, last, fill_tail(pieces, nq, last, STRIPE));
+        digest = hasher_finish(&h, last);
+    }
+    Py_END_ALLOW_THREADS;
+    release_buffers(prefix, np);
+    release_buffers(pieces, nq);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (!hashed || got != piece_bytes) return Py_BuildValue("(nO)", (Py_ssize_t)got, Py_None);
+    return Py_BuildValue("(nK)", (Py_ssize_t)got, (unsigned long long)digest);
 }
 
 /* For the tests: run the portable loop even where AVX2 is there (scalar=True), or not. */
@@ -244,6 +370,11 @@ static PyMethodDef methods[] = {
     {"xxh3_64_long", xxh3_64_long, METH_O,
      "xxh3_64_long(parts) -> int | None\n\nXXH3-64 of the buffers in `parts` taken as one input, "
      "computed without the GIL from 64 KiB; None when the input is 240 bytes or shorter."},
+    {"pread_xxh3", pread_xxh3, METH_VARARGS,
+     "pread_xxh3(fd, offset, prefix, pieces) -> (bytes read, int | None)\n\nRead fd from `offset` into the "
+     "writable buffers `pieces`, in order and without the GIL, and return the bytes read with the XXH3-64 "
+     "of prefix + pieces, computed as each window of bytes lands; the hash is None after a short read or "
+     "when prefix + pieces is 240 bytes or shorter. OSError for a failed read."},
     {"set_scalar", set_scalar, METH_O,
      "set_scalar(flag) -> bool\n\nFor tests: hash with the portable loop (True) or the CPU's best "
      "(False); returns whether the portable loop was in use before."},

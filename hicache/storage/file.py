@@ -209,12 +209,17 @@ class FileTier(StorageTier):
     def _read_into(self, key: bytes, pieces: Sequence[memoryview]) -> bool:
         head = memoryview(bytearray(fmt.HEADER_BYTES + len(key)))
         size = head.nbytes + self.identity.page_bytes
-        iovecs = [head, *pieces]
+        checksum: list[int | None] = [None]  # computed as the payload was read, where it can be
 
         def read(fd: int) -> int:
-            got = 0
-            for at in range(0, len(iovecs), IOV_MAX):
-                group = iovecs[at : at + IOV_MAX]
+            got = os.preadv(fd, [head], 0)
+            if got < head.nbytes:
+                return got
+            if (fused := fmt.read_payload_checksummed(fd, head, pieces)) is not None:
+                n, checksum[0] = fused
+                return got + n
+            for at in range(0, len(pieces), IOV_MAX):
+                group = pieces[at : at + IOV_MAX]
                 n = os.preadv(fd, group, got)
                 got += n
                 if n < sum(v.nbytes for v in group):  # short (the file changed): the rest would land misplaced
@@ -224,7 +229,7 @@ class FileTier(StorageTier):
         def verify(got: int) -> bool:
             if got != size:
                 raise fmt.PageError("corrupt", f"read {got} of {size} bytes")
-            fmt.verify_page(self.identity, key, head, pieces)
+            fmt.verify_page(self.identity, key, head, pieces, checksum[0])
             return True
 
         return self._load(key, size, read, verify) is not None

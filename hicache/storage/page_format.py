@@ -31,9 +31,10 @@ from typing import Literal
 from hicache.storage.base import Buffer, TierIdentity
 
 try:  # the same XXH3-64 without the GIL, for inputs over 240 bytes (the C extension; optional)
+    from hicache.storage._xxh3 import pread_xxh3 as _pread_xxh3
     from hicache.storage._xxh3 import xxh3_64_long as _xxh3_long
 except ImportError:
-    _xxh3_long = None  # type: ignore[assignment]
+    _xxh3_long = _pread_xxh3 = None  # type: ignore[assignment]
 
 MAGIC = b"HKVP"
 VERSION = 1
@@ -150,10 +151,25 @@ def decode_page(identity: TierIdentity, key: bytes, blob: Buffer) -> memoryview:
     return payload
 
 
-def verify_page(identity: TierIdentity, key: bytes, head: Buffer, payload: Sequence[Buffer]) -> None:
+def read_payload_checksummed(fd: int, head: memoryview, pieces: Sequence[memoryview]) -> tuple[int, int | None] | None:
+    """After a page file's header + key were read into `head` from the file's start: read
+    its payload into `pieces` (in order) and compute the page's XXH3-64 as each window of
+    bytes lands, in C without the GIL. Returns (payload bytes read, the checksum, or None
+    after a short read) for verify_page(checksum=...), or None when the header names another
+    algorithm or the extension is not built: the caller reads, verify_page computes it.
+    OSError for a failed read."""
+    if _pread_xxh3 is None or head.nbytes < HEADER_BYTES or head[6] != XXH3_64:
+        return None
+    return _pread_xxh3(fd, head.nbytes, [head[: _FIXED.size], head[HEADER_BYTES:]], pieces)
+
+
+def verify_page(
+    identity: TierIdentity, key: bytes, head: Buffer, payload: Sequence[Buffer], checksum: int | None = None
+) -> None:
     """Verify a stored page read as its header + key (`head`) and its payload in pieces
-    (`payload`, in order: e.g. read straight into a host page's chunks). Raises PageError
-    as decode_page does."""
+    (`payload`, in order: e.g. read straight into a host page's chunks). `checksum`: the
+    XXH3-64 computed while the page was read (read_payload_checksummed), used when the header
+    names XXH3-64 instead of hashing the bytes again. Raises PageError as decode_page does."""
     view = memoryview(head).cast("B")
     if view.nbytes < HEADER_BYTES:
         raise PageError("corrupt", f"{view.nbytes} bytes is shorter than the {HEADER_BYTES}-byte header")
@@ -170,7 +186,9 @@ def verify_page(identity: TierIdentity, key: bytes, head: Buffer, payload: Seque
         raise PageError("corrupt", f"checksum algorithm {algorithm} is unknown")
     (expected,) = _CHECKSUM.unpack_from(view, _FIXED.size)
     stored_key = view[HEADER_BYTES:]
-    if summer([view[: _FIXED.size], stored_key, *payload]) != expected:
+    if checksum is None or algorithm != XXH3_64:
+        checksum = summer([view[: _FIXED.size], stored_key, *payload])
+    if checksum != expected:
         raise PageError("corrupt", "checksum mismatch")
     if fp != identity.fingerprint_bytes or size != identity.page_bytes:
         raise PageError("foreign", f"geometry {fp.hex()}, expected {identity.fingerprint}")

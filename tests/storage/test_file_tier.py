@@ -167,10 +167,18 @@ def test_group_commit_flushes_once_per_batch_and_acknowledges_durable_pages(tmp_
         FileTier(identity(g), tmp_path, fsync="always")
 
 
-def test_batch_read_into_reads_across_iov_max_and_refuses_bad_files(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused", [True, False], ids=["checksum-while-reading", "python-reads"])
+def test_batch_read_into_reads_across_iov_max_and_refuses_bad_files(tmp_path, monkeypatch, fused):
+    """Both read paths: the C read that checksums each window as it lands (where the
+    extension is built), and the Python preadv loop with the checksum after it."""
     import hicache.storage.file as file_tier
+    import hicache.storage.page_format as fmt
 
-    monkeypatch.setattr(file_tier, "IOV_MAX", 3)  # 1 header + 9 pieces: four preadv calls per page
+    if fused and fmt._pread_xxh3 is None:
+        pytest.skip("hicache.storage._xxh3 is not built")
+    if not fused:
+        monkeypatch.setattr(fmt, "_pread_xxh3", None)
+    monkeypatch.setattr(file_tier, "IOV_MAX", 3)  # 9 pieces: three preadv calls per page (Python path)
     g = GEOMETRIES["mimo_kv"]
     tier = FileTier(identity(g), tmp_path)
     for i in range(4):

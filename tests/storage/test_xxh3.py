@@ -4,6 +4,8 @@ of its loops (AVX2 and the portable one)."""
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 import shutil
 import sysconfig
@@ -122,3 +124,52 @@ def test_pages_written_with_either_checksum_path_verify_with_the_other(monkeypat
     damaged[-1] ^= 1
     with pytest.raises(fmt.PageError, match="checksum"):
         fmt.decode_page(ident, key(1), damaged)
+
+
+def written(tmp_path: Path, data: bytes) -> int:
+    path = tmp_path / "page"
+    path.write_bytes(data)
+    return os.open(path, os.O_RDONLY)
+
+
+@pytest.mark.parametrize(
+    ("key_bytes", "sizes"),
+    [(32, [600_000]), (32, [81_920] * 18), (32, [7] * 200 + [3000]), (32, [0, 5000, 0, 300_000, 0]), (400, [30])],
+    ids=["one-piece-of-3-windows", "18-pieces", "200-tiny-pieces", "empty-pieces", "prefix-holds-the-tail"],
+)
+def test_pread_xxh3_reads_the_pieces_and_hashes_prefix_and_pieces(
+    loop: bool, tmp_path: Path, key_bytes: int, sizes: list[int]
+) -> None:
+    rng = random.Random(sum(sizes))
+    prefix = [rng.randbytes(40), rng.randbytes(key_bytes)]
+    body = rng.randbytes(sum(sizes))
+    fd = written(tmp_path, b"skip" * 3 + body + b"after")
+    try:
+        pieces = [bytearray(n) for n in sizes]
+        got, digest = _xxh3.pread_xxh3(fd, 12, prefix, [memoryview(p) for p in pieces])
+        assert got == len(body) and b"".join(pieces) == body
+        assert digest == xxhash.xxh3_64_intdigest(b"".join(prefix) + body)
+    finally:
+        os.close(fd)
+
+
+@needs_ext
+def test_pread_xxh3_short_file_short_input_and_bad_arguments(tmp_path: Path) -> None:
+    fd = written(tmp_path, bytes(range(256)) * 40)  # 10240 bytes
+    try:
+        short = bytearray(20000)
+        assert _xxh3.pread_xxh3(fd, 0, [b"h" * 48], [short]) == (10240, None)  # the file ended: no hash
+        assert short[:10240] == bytes(range(256)) * 40
+        tiny = bytearray(100)
+        assert _xxh3.pread_xxh3(fd, 0, [b"x" * 40], [tiny]) == (100, None)  # 140 bytes: python-xxhash's
+        with pytest.raises(ValueError, match="offset must be >= 0, got -1"):
+            _xxh3.pread_xxh3(fd, -1, [], [tiny])
+        with pytest.raises(BufferError, match="not writable"):
+            _xxh3.pread_xxh3(fd, 0, [], [b"read-only" * 40])
+        with pytest.raises(TypeError, match="prefix must be a sequence"):
+            _xxh3.pread_xxh3(fd, 0, 7, [tiny])  # type: ignore[arg-type]
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as bad:
+        _xxh3.pread_xxh3(fd, 0, [], [bytearray(300)])  # closed
+    assert bad.value.errno == errno.EBADF
