@@ -32,11 +32,12 @@ class ClusterNode:
 
 
 class LocalRedisCluster:
-    """`masters` masters with `replicas` replicas each, in `folder`. start() blocks until every
+    """`masters` masters with `replicas` replicas each, in `folder`; a node silent for
+    `node_timeout_ms` counts as failed (its replica takes over). start() blocks until every
     slot is served (raises RuntimeError naming the step that failed, or FileNotFoundError when
     redis-server / redis-cli are not installed); stop() kills them all. A context manager."""
 
-    def __init__(self, folder: str | Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000):
+    def __init__(self, folder: str | Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 5000):
         if masters < 3:
             raise ValueError(f"a Redis Cluster needs at least 3 masters, got {masters}")
         for exe in ("redis-server", "redis-cli"):

@@ -201,7 +201,7 @@ def _check_serving(target: str | None) -> None:
     """Raises ValueError, within seconds, unless a sidecar serves at `target` (--sidecar)."""
     if target is None:
         raise ValueError("no sidecar to connect to")
-    status = check_health(target, timeout=3.0)
+    status = check_health(target, timeout=10.0)  # a missing sidecar answers UNAVAILABLE at once
     if status != SERVING:
         raise ValueError(f"no sidecar serving at {target}: {status}")
 

@@ -130,7 +130,7 @@ def test_sidecar_killed_mid_offload_fails_fast_then_serves_only_durable_pages(so
     proc, address = start_sidecar(sockdir, *policy)
     dev = filled_device(48, seed=5)
     src = {p: dev.read_page(p).clone() for p in range(32)}
-    client = HiCacheClient(address, timeout=20)
+    client = HiCacheClient(address, timeout=60)
     try:
         old = client.register(dev, model_id="MiMo-V2-Flash@main")
         durable, host_only = keys_for(8, seed=1), keys_for(8, seed=2)

@@ -111,7 +111,7 @@ def _wait_health(svc: HiCacheService, pool_id: str, healthy: bool) -> None:
 def test_hung_or_stopped_redis_host_keeps_serving_then_reconnects(tmp_path, fault):
     redis = RedisServer(tmp_path)
     redis.start()
-    extra = {"url": redis.url, "timeout_s": 0.3, "backoff_initial_s": 0.05, "backoff_max_s": 0.5}
+    extra = {"url": redis.url, "timeout_s": 2.0, "backoff_initial_s": 0.05, "backoff_max_s": 0.5}  # 2 s: a busy machine
     svc = service(tmp_path, "redis", extra=extra)
     dev = filled_device(8, geometry=G, seed=6)
     info, pid = None, ""

@@ -76,7 +76,7 @@ def sockdir() -> Iterator[str]:
 def test_reload_serves_the_prefix_before_a_hostile_file_and_sigterm_still_stops(sockdir: str, how: str) -> None:
     proc, address = start_sidecar(sockdir)
     dev = filled_device(8, seed=3)
-    client = HiCacheClient(address, timeout=20)
+    client = HiCacheClient(address, timeout=60)
     try:
         client.register(dev, model_id="MiMo-V2-Flash@main")
         keys = keys_for(4, seed=7)

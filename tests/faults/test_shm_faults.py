@@ -115,7 +115,7 @@ def test_an_engine_that_shrinks_its_memory_gets_an_error_and_nobody_else_notices
     proc, address = start_sidecar(sockdir)
     g, pages = mimo_full(), 4
     victim, bystander = filled_device(pages, seed=1), filled_device(pages, seed=2)
-    a, b, c = (HiCacheClient(address, timeout=20) for _ in range(3))
+    a, b, c = (HiCacheClient(address, timeout=60) for _ in range(3))
     fd, mem = _memfd_engine(g, pages, 0)  # a memfd that cannot be sealed (SGLang's, vLLM's)
     try:
         a.register(victim, model_id="m")
@@ -159,7 +159,7 @@ def test_a_memfd_that_allows_sealing_is_sealed_against_shrinking(sockdir: str) -
     g, pages = mimo_full(), 4
     fd, mem = _memfd_engine(g, pages, os.MFD_ALLOW_SEALING)
     try:
-        with HiCacheClient(address, timeout=20) as client:
+        with HiCacheClient(address, timeout=60) as client:
             (fd_id,) = client.send_fds([fd])
             layout = block_layout_name(0, pages * g.page_bytes_for(1), g.page_bytes_for(1))
             client.register_memory(
@@ -182,7 +182,7 @@ ENGINE = textwrap.dedent(
     from sidecar_util import filled_device
     from hicache.client import HiCacheClient
     dev = filled_device(2, seed=1)
-    client = HiCacheClient({address!r}, timeout=20)
+    client = HiCacheClient({address!r}, timeout=60)
     client.register(dev, model_id="m")
     print("ready", flush=True)
     time.sleep(600)
@@ -227,14 +227,14 @@ def test_kill_9_loops_of_sidecars_and_engines_leave_no_shared_memory_behind(sock
     killed: set[int] = set()
     for _ in range(5):  # the sidecar killed with its host pool mapped
         proc, address = start_sidecar(sockdir, "--lease-timeout", "1")
-        with HiCacheClient(address, timeout=20) as client:
+        with HiCacheClient(address, timeout=60) as client:
             client.register(dev, model_id="m")
             assert _owned_by({proc.pid}), "the sidecar made its host pool"
             proc.kill()
             proc.wait(timeout=30)
             assert _owned_by({proc.pid}), "kill -9: nobody unlinked it (the next start-up will)"
             killed.add(proc.pid)
-    proc, address = start_sidecar(sockdir, "--lease-timeout", "1")
+    proc, address = start_sidecar(sockdir, "--lease-timeout", "3")  # 3 s: this test's pool must outlive a busy spell
     try:
         healthy(address)  # its start-up swept the dead sidecars' host pools
         assert _settle(killed, set()) == set()
@@ -249,7 +249,7 @@ def test_kill_9_loops_of_sidecars_and_engines_leave_no_shared_memory_behind(sock
             engine.wait(timeout=30)
             assert _owned_by({engine.pid}), "its device segment, left behind (the next registration sweeps it)"
             engines.add(engine.pid)
-        with HiCacheClient(address, timeout=20) as client:  # a registration sweeps dead owners
+        with HiCacheClient(address, timeout=60) as client:  # a registration sweeps dead owners
             info = client.register(dev, model_id="m")
             assert _settle(engines, set()) == set()
             # the dead engines' host pools went when their leases ran out: only this one is left

@@ -175,11 +175,11 @@ def test_tls_with_token(sockdir, tmp_path):
         with HiCacheClient(f"localhost:{port}", token="s3cret", timeout=10, tls=ClientTls(pki["ca"])) as client:
             client.register(dev)
             assert client.stats()[0].device_pages == 2
-        assert _refused(HiCacheClient(tcp, token="s3cret", timeout=5, retries=0)) == "UNAVAILABLE"  # plaintext
+        assert _refused(HiCacheClient(tcp, token="s3cret", timeout=30, retries=0)) == "UNAVAILABLE"  # plaintext
         wrong_ca = ClientTls(pki["other_ca"], server_name="localhost")
-        assert _refused(HiCacheClient(tcp, token="s3cret", timeout=5, retries=0, tls=wrong_ca)) == "UNAVAILABLE"
+        assert _refused(HiCacheClient(tcp, token="s3cret", timeout=30, retries=0, tls=wrong_ca)) == "UNAVAILABLE"
         no_token = ClientTls(pki["ca"], server_name="localhost")
-        assert _refused(HiCacheClient(tcp, timeout=5, retries=0, tls=no_token)) == "UNAUTHENTICATED"
+        assert _refused(HiCacheClient(tcp, timeout=30, retries=0, tls=no_token)) == "UNAUTHENTICATED"
     finally:
         srv.stop(0)
         dev.close()
@@ -195,9 +195,9 @@ def test_mutual_tls_authenticates_the_client(sockdir, tmp_path):
         with HiCacheClient(tcp, timeout=10, tls=mine, admin_token="adm") as client:  # the certificate is the credential
             assert client.stats(all_pools=True) == []
         anonymous = ClientTls(pki["ca"], server_name="localhost")
-        assert _refused(HiCacheClient(tcp, timeout=5, retries=0, tls=anonymous)) == "UNAVAILABLE"
+        assert _refused(HiCacheClient(tcp, timeout=30, retries=0, tls=anonymous)) == "UNAVAILABLE"
         forged = ClientTls(pki["ca"], cert=pki["other_ca"], key=pki["other_ca_key"], server_name="localhost")
-        assert _refused(HiCacheClient(tcp, timeout=5, retries=0, tls=forged)) == "UNAVAILABLE"
+        assert _refused(HiCacheClient(tcp, timeout=30, retries=0, tls=forged)) == "UNAVAILABLE"
     finally:
         srv.stop(0)
 

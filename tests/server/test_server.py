@@ -195,7 +195,7 @@ def test_retry_with_same_request_id_is_idempotent(served):
 
 
 def test_silent_client_lease_expires_and_host_memory_is_released(sockdir):
-    srv, address = start(sockdir, lease_timeout_s=0.3)
+    srv, address = start(sockdir, lease_timeout_s=2.0)
     dev = filled_device(4)
     stub = pb_grpc.HiCacheStub(grpc.insecure_channel(address))
     reg = stub.RegisterPool(

@@ -161,23 +161,23 @@ def test_health_is_not_serving_while_the_storage_tier_is_down(sockdir):
         ServerConfig(socket=os.path.join(sockdir, "hc.sock"), service=svc, health_interval_s=0.05)
     )
     try:
-        assert check_health(address) == "NOT_SERVING"  # no pool yet: the configured Redis itself is probed
+        assert check_health(address, timeout=15) == "NOT_SERVING"  # no pool yet: the configured Redis itself is probed
         dev = filled_device(4)
         with HiCacheClient(address) as client:
             client.register(dev, model_id="mimo@test")
             assert srv.service.pool_snapshots()[0].engine.backend == "triton"  # --hicache-io-backend kernel
             for _ in range(400):
-                if check_health(address) == "NOT_SERVING":
+                if check_health(address, timeout=15) == "NOT_SERVING":
                     break
                 time.sleep(0.05)
-            assert check_health(address) == "NOT_SERVING"
-            assert check_health(address, service="hicache.v1.HiCache") == "NOT_SERVING"
+            assert check_health(address, timeout=15) == "NOT_SERVING"
+            assert check_health(address, service="hicache.v1.HiCache", timeout=15) == "NOT_SERVING"
             assert srv.service.healthy()[1].startswith("pool ") and "redis" in srv.service.healthy()[1]
         for _ in range(400):  # the pool is gone with its client: the backend probe speaks again
             if "unreachable" in srv.service.healthy()[1]:
                 break
             time.sleep(0.05)
-        assert check_health(address) == "NOT_SERVING" and "unreachable" in srv.service.healthy()[1]
+        assert check_health(address, timeout=15) == "NOT_SERVING" and "unreachable" in srv.service.healthy()[1]
         dev.close()
     finally:
         srv.stop(0)
@@ -218,7 +218,7 @@ def test_optional_storage_tier_keeps_health_serving(sockdir):
             client.register(dev, model_id="mimo@test")
             assert not srv.service.healthy()[0]  # the tier is down ...
             srv.monitor.poll()
-            assert check_health(address) == "SERVING"  # ... and the sidecar still serves from host
+            assert check_health(address, timeout=15) == "SERVING"  # ... and the sidecar still serves from host
             assert not client.stats()[0].storage_healthy
         dev.close()
     finally:

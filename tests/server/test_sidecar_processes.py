@@ -110,7 +110,7 @@ DYING_ENGINE = textwrap.dedent(
 
 def test_dead_client_is_reclaimed_and_sigterm_shuts_down_cleanly():
     sockdir = tempfile.mkdtemp(prefix="hc")
-    proc, address = start_sidecar(sockdir, "--lease-timeout", "0.5", "--admin-token", "adm")
+    proc, address = start_sidecar(sockdir, "--lease-timeout", "2", "--admin-token", "adm")
     try:
         child = subprocess.run(
             [sys.executable, "-c", DYING_ENGINE, address], cwd=ROOT, capture_output=True, text=True, timeout=120

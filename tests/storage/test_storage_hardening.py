@@ -25,7 +25,7 @@ def test_a_redis_error_reply_fails_its_pages_but_not_the_tier(tmp_path):
     server = RedisServer(tmp_path)
     server.start()
     try:
-        tier = RedisTier(identity(G), server.url, timeout_s=0.5, backoff_initial_s=5.0, backoff_max_s=10.0)
+        tier = RedisTier(identity(G), server.url, timeout_s=5.0, backoff_initial_s=5.0, backoff_max_s=10.0)
         assert tier.set(key(0), payload(G, 0))
         client = redis.Redis.from_url(server.url)
         client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + 200_000)

@@ -154,8 +154,9 @@ def test_sidecar_down_then_restarted_gives_misses_never_exceptions(
     try:
         pool = mimo_full("page_first_direct", allocator=allocator)
         cfg = storage_config(
-            model_dir(tmp_path, "mimo_v2_flash"), target, layout="page_first_direct", timeout_s=5, allocator=allocator
-        )  # 5 s: the first registration loads torch in the sidecar (over 2 s once on a busy 2-core machine)
+            model_dir(tmp_path, "mimo_v2_flash"), target, layout="page_first_direct", timeout_s=30, allocator=allocator
+        )  # 30 s: the first registration loads torch in the sidecar (over 2 s once on a busy 2-core
+        # machine); a dead sidecar fails at once anyway
         backend = create(cfg, pool)
         fill(pool, seed=40)
         keys = keys_for(list(range(2 * 16)))

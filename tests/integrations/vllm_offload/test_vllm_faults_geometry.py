@@ -38,8 +38,8 @@ def qwen_sidecar(sockdir: str) -> tuple[Any, str]:
 
 def test_a_sidecar_that_dies_gives_misses_and_refused_stores_never_an_exception(tmp_path: Path, sockdir: str) -> None:
     proc, target = qwen_sidecar(sockdir)
-    # 5 s: the first registration loads torch in the sidecar; a dead sidecar fails at once anyway
-    eng = qwen_engine(tmp_path, target, timeout_s=5.0, retry_s=30.0)
+    # 30 s: the first registration loads torch in the sidecar; a dead sidecar fails at once anyway
+    eng = qwen_engine(tmp_path, target, timeout_s=30.0, retry_s=30.0)
     manager = eng.spec.get_manager()
     try:
         keys = chunk_keys(2)
