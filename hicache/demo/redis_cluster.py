@@ -35,9 +35,18 @@ class LocalRedisCluster:
     """`masters` masters with `replicas` replicas each, in `folder`; a node silent for
     `node_timeout_ms` counts as failed (its replica takes over). start() blocks until every
     slot is served (raises RuntimeError naming the step that failed, or FileNotFoundError when
-    redis-server / redis-cli are not installed); stop() kills them all. A context manager."""
+    redis-server / redis-cli are not installed); stop() kills them all. A context manager.
+    `ports`: the nodes' ports, already wired into something else (then a node whose port was
+    taken fails the start instead of moving); by default free_ports() picks them."""
 
-    def __init__(self, folder: str | Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 5000):
+    def __init__(
+        self,
+        folder: str | Path,
+        masters: int = 3,
+        replicas: int = 1,
+        node_timeout_ms: int = 5000,
+        ports: list[int] | None = None,
+    ):
         if masters < 3:
             raise ValueError(f"a Redis Cluster needs at least 3 masters, got {masters}")
         for exe in ("redis-server", "redis-cli"):
@@ -45,7 +54,11 @@ class LocalRedisCluster:
                 raise FileNotFoundError(f"{exe} is not installed (apt-get install redis-server)")
         self.folder = Path(folder)
         self.masters, self.replicas, self.node_timeout_ms = masters, replicas, node_timeout_ms
-        self.nodes = [ClusterNode(port, self.folder / str(port)) for port in free_ports(masters * (1 + replicas))]
+        count = masters * (1 + replicas)
+        if ports is not None and len(ports) != count:
+            raise ValueError(f"{masters} masters and {masters * replicas} replicas need {count} ports, got {ports}")
+        self.fixed = ports is not None
+        self.nodes = [ClusterNode(port, self.folder / str(port)) for port in ports or free_ports(count)]
 
     @property
     def url(self) -> str:
@@ -111,7 +124,7 @@ class LocalRedisCluster:
             if _wait_ping(node, timeout_s):
                 return node
             log = node.folder / "redis.log"
-            if b"Address already in use" not in log.read_bytes():
+            if self.fixed or b"Address already in use" not in log.read_bytes():
                 break
             taken = {n.port for n in self.nodes}
             port = free_ports(1)[0]
@@ -236,9 +249,10 @@ class LocalRedisCluster:
 
 
 def free_ports(n: int, bus: bool = True) -> list[int]:
-    """n loopback ports free now (with their cluster bus port, port + 10000, when `bus`),
-    drawn below the kernel's ephemeral range: a port in that range can be taken by any
-    outgoing connection between this check and the server's bind."""
+    """n distinct loopback ports free now (with their cluster bus ports, port + 10000, when
+    `bus`; no port is another's bus port), drawn below the kernel's ephemeral range: a port in
+    that range can be taken by any outgoing connection between this check and the server's
+    bind."""
     low = _ephemeral_low()
     span = range(10000, low - 10000) if bus else range(10000, low)
     ports: list[int] = []
@@ -246,7 +260,8 @@ def free_ports(n: int, bus: bool = True) -> list[int]:
         if len(ports) == n:
             break
         port = random.choice(span) if len(span) > 100 else _any_port()
-        if port in ports or (bus and port + 10000 > 65535):
+        clash = {port, port + 10000, port - 10000} if bus else {port}
+        if clash & set(ports) or (bus and port + 10000 > 65535):
             continue
         if _bindable(port) and (not bus or _bindable(port + 10000)):
             ports.append(port)

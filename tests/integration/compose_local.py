@@ -88,14 +88,16 @@ class LocalCompose:
         }
         self.ports: dict[tuple[str, str], int] = {}
         clusters = {}
+        exposed_of = {
+            name: [str(e).rsplit(":", 1)[-1] for e in [*(spec.get("expose") or []), *(spec.get("ports") or [])]]
+            for name, spec in specs.items()
+        }
+        free = iter(free_ports(sum(map(len, exposed_of.values()))))  # one draw: no two services share a port
         for name, spec in specs.items():
-            exposed = [str(e).rsplit(":", 1)[-1] for e in [*(spec.get("expose") or []), *(spec.get("ports") or [])]]
+            exposed = exposed_of[name]
+            local_ports = [next(free) for _ in exposed]
             if spec.get("x-local") == "redis-cluster":
-                clusters[name] = LocalRedisCluster(workdir / name)
-                assert len(exposed) == len(clusters[name].nodes), f"{name}: one exposed port per node"
-                local_ports = [n.port for n in clusters[name].nodes]
-            else:
-                local_ports = free_ports(len(exposed), bus=False)
+                clusters[name] = LocalRedisCluster(workdir / name, ports=local_ports)
             self.ports.update({(name, port): local for port, local in zip(exposed, local_ports, strict=True)})
         self.services = {name: self._service(name, spec) for name, spec in specs.items()}
         for name, cluster in clusters.items():

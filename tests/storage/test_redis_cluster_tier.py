@@ -17,7 +17,7 @@ import redis
 from helpers import eventually
 from tier_helpers import GEOMETRIES, RedisServer, identity, key, payload
 
-from hicache.demo.redis_cluster import LocalRedisCluster, _ephemeral_low
+from hicache.demo.redis_cluster import LocalRedisCluster, _ephemeral_low, free_ports
 from hicache.storage import make_tier
 from hicache.storage.factory import backend_reachable, check_backend_kind
 from hicache.storage.redis import RedisTier
@@ -280,4 +280,23 @@ def test_the_local_cluster_starts_when_a_port_is_taken_after_it_was_picked(tmp_p
                 client.set(b"k", b"v")
                 assert client.get(b"k") == b"v"
     finally:
+        squatter.close()
+
+
+def test_a_local_cluster_on_given_ports_does_not_move_a_node(tmp_path: Path) -> None:
+    """Ports wired into other services' configs (compose_local) stay: a taken one fails the
+    start, naming it; a wrong count is refused before anything starts."""
+    ports = free_ports(6)
+    with pytest.raises(ValueError, match="3 masters and 3 replicas need 6 ports, got"):
+        LocalRedisCluster(tmp_path / "few", ports=ports[:5])
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", ports[2]))
+    squatter.listen()
+    cluster = LocalRedisCluster(tmp_path / "cluster", ports=ports)
+    try:
+        with pytest.raises(RuntimeError, match=f"redis-server on port {ports[2]} did not start"):
+            cluster.start()
+        assert [n.port for n in cluster.nodes] == ports
+    finally:
+        cluster.stop()
         squatter.close()
