@@ -19,7 +19,10 @@
 - redis tier: pages/s and GB/s against a raw redis-py pipeline SET / GET of the same
   values (header included), same batch size, same server; batch_read (the cache's fetch:
   each GET received into a reused buffer, then copied into a page buffer) against the same
-  raw GET. --repeat rounds, each timing the raw pipeline and the tier back to back; figures
+  raw GET; batch_set of pages in a layer_first HostKVPool, given as their pieces (what the
+  storage writer does: tier_set_pool_GBps, set_pool_ratio against the raw SET) and copied
+  out with read_page first (tier_set_pool_copy_GBps; set_pool_speedup is the straight set
+  over that one). --repeat rounds, each timing the raw pipeline and the tier back to back; figures
   are medians, ratios the median of per-round ratios (the file tier's rounds likewise).
 - redis-cluster tier: the same against a raw redis-py RedisCluster pipeline, on a local
   3-master, 3-replica cluster (or --redis-cluster-url).
@@ -312,15 +315,30 @@ def bench_redis(
         for s in range(0, n, BATCH):
             assert tier.batch_read(keys[s : s + BATCH], into_page) == len(keys[s : s + BATCH])
 
+    host = HostKVPool(g, n, "layer_first")  # the storage writer's source: pages in a host pool
+    for i, (_, data) in enumerate(items):
+        host.write_page(i, data)
+
+    def tier_set_pool() -> None:  # as the writer does: each page's 18 pieces, straight from the pool
+        for s in range(0, n, BATCH):
+            assert all(tier.batch_set([(items[i][0], host.page_pieces(i)) for i in range(s, min(s + BATCH, n))]))
+
+    def tier_set_pool_copy() -> None:  # the same pages copied out first (read_page), as before
+        for s in range(0, n, BATCH):
+            batch = [(items[i][0], memoryview(host.read_page(i).numpy())) for i in range(s, min(s + BATCH, n))]
+            assert all(tier.batch_set(batch))
+
     rounds = []  # each round times the raw pipeline and the tier back to back: ratios per round
     for _ in range(repeat):
         rs, ts = timed(raw_set), timed(tier_set)
         rg, tg, tr = timed(raw_get), timed(tier_get), timed(tier_read)
-        rounds.append((rs, ts, rg, tg, tr))
+        tp, tc = timed(tier_set_pool), timed(tier_set_pool_copy)
+        rounds.append((rs, ts, rg, tg, tr, tp, tc))
+    assert bytes(tier.get(items[-1][0]) or b"") == items[-1][1]
     raw.flushall()
     raw.close()
     tier.close()
-    rs, ts, rg, tg, tr = (statistics.median(r[i] for r in rounds) for i in range(5))
+    rs, ts, rg, tg, tr, tp, tc = (statistics.median(r[i] for r in rounds) for i in range(7))
     return {
         "pages": n,
         "rounds": repeat,
@@ -336,6 +354,10 @@ def bench_redis(
         "get_ratio": statistics.median(r[2] / r[3] for r in rounds),
         "tier_read_into_GBps": nbytes / tr / 1e9,
         "read_into_ratio": statistics.median(r[2] / r[4] for r in rounds),
+        "tier_set_pool_GBps": nbytes / tp / 1e9,
+        "set_pool_ratio": statistics.median(r[0] / r[5] for r in rounds),
+        "tier_set_pool_copy_GBps": nbytes / tc / 1e9,
+        "set_pool_speedup": statistics.median(r[6] / r[5] for r in rounds),
     }
 
 

@@ -17,7 +17,8 @@ from conftest import load_config
 
 from hicache.demo.redis_cluster import free_ports
 from hicache.geometry import KVGeometry
-from hicache.storage import Buffer, StorageTier, TierHealth, TierIdentity
+from hicache.storage import Payload, StorageTier, TierHealth, TierIdentity
+from hicache.storage.page_format import payload_parts
 
 
 def small_geometries() -> dict[str, KVGeometry]:
@@ -151,12 +152,13 @@ class MemoryTier(StorageTier):
             raise OSError("injected storage read failure")
         return [self.get(k) for k in keys]
 
-    def set(self, key: bytes, data: Buffer) -> bool:
-        assert memoryview(data).nbytes == self.identity.page_bytes
-        self.pages[key] = bytes(data)
+    def set(self, key: bytes, data: Payload) -> bool:
+        joined = b"".join(payload_parts(data))
+        assert len(joined) == self.identity.page_bytes
+        self.pages[key] = joined
         return True
 
-    def batch_set(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+    def batch_set(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
         assert self.write_gate.wait(60), "test forgot to open the write gate"
         return [self.set(k, d) for k, d in items]
 

@@ -19,7 +19,7 @@ from typing import Any
 from hicache.cache.index import HostIndex
 from hicache.cache.policies import SELECTIVE_HITS, WritePolicy
 from hicache.cache.writer import StorageWriter, WriteJob
-from hicache.storage.base import Buffer, StorageTier
+from hicache.storage.base import Buffer, Payload, StorageTier
 
 
 class WritePolicyMixin:
@@ -87,15 +87,16 @@ class WritePolicyMixin:
             self._n["writes_dropped"] += len(rejected)
         self._write_done(rejected, [False] * len(rejected), counted=True)
 
-    def _read_job(self, job: WriteJob) -> Buffer | None:
+    def _read_job(self, job: WriteJob) -> Payload | None:
         """The bytes of a queued page. The job holds a reference on its host page until
-        _write_done, so a page that is one contiguous piece in canonical order (a
-        page_first_direct pool) is written straight from the pool, with no copy."""
+        _write_done, so a page with pieces (page_pieces: its views in canonical order, one
+        for a page_first_direct pool, one per layer and K/V for layer_first) is written
+        straight from the pool, with no copy; others are copied out with read_page."""
         if job.page is None:
             return None
         pieces = self._page_pieces(job.page)
-        if pieces is not None and len(pieces) == 1:
-            return pieces[0]
+        if pieces is not None:
+            return list(pieces)
         return self._page_bytes(job.page)
 
     def _page_pieces(self, page: int) -> list[memoryview] | None:

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hicache.storage.base import Buffer, StorageTier
+from hicache.storage.base import Payload, StorageTier
 
 
 @dataclass
@@ -23,7 +23,7 @@ class WriteJob:
 
     key: bytes
     page: int | None = None
-    data: Buffer | None = None
+    data: Payload | None = None
 
 
 class StorageWriter:
@@ -37,7 +37,7 @@ class StorageWriter:
     def __init__(
         self,
         tier: StorageTier,
-        read: Callable[[WriteJob], Buffer | None],
+        read: Callable[[WriteJob], Payload | None],
         done: Callable[[list[WriteJob], list[bool]], None],
         *,
         max_queue: int = 1024,
@@ -115,7 +115,7 @@ class StorageWriter:
 
     def _write(self, batch: list[WriteJob]) -> list[bool]:
         ok = [False] * len(batch)
-        items: list[tuple[bytes, Buffer]] = []
+        items: list[tuple[bytes, Payload]] = []
         where: list[int] = []
         for i, job in enumerate(batch):
             try:

@@ -1,6 +1,6 @@
 """Storage tiers below the host pool: file (default), redis, none. No torch here."""
 
-from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity, TierStats
+from hicache.storage.base import Buffer, Payload, StorageTier, TierHealth, TierIdentity, TierStats
 from hicache.storage.factory import BACKENDS, make_tier
 from hicache.storage.page_format import PageError
 
@@ -8,6 +8,7 @@ __all__ = [
     "BACKENDS",
     "Buffer",
     "PageError",
+    "Payload",
     "StorageTier",
     "TierHealth",
     "TierIdentity",

@@ -23,6 +23,9 @@ from hicache.geometry import KVGeometry
 from hicache.validate import is_int
 
 Buffer = bytes | bytearray | memoryview
+# A page's payload as a tier stores it: one buffer, or a list of buffers whose concatenation
+# is the page (a host page's pieces, HostKVPool.page_pieces), stored without joining them.
+Payload = Buffer | list[Buffer]
 
 
 @dataclass(frozen=True)
@@ -126,10 +129,11 @@ class StorageTier(ABC):
         that fails verification is deleted, counted, and returned as None."""
 
     @abstractmethod
-    def set(self, key: bytes, data: Buffer) -> bool:
-        """Store `data` under `key`; True once acknowledged (readable, and on the file tier
-        durable). False on a storage failure or no space. Raises ValueError if `data` is
-        not identity.page_bytes long or the key is malformed."""
+    def set(self, key: bytes, data: Payload) -> bool:
+        """Store `data` (one buffer, or a list of buffers in page order) under `key`; True
+        once acknowledged (readable, and on the file tier durable). False on a storage
+        failure or no space. Raises ValueError if `data` is not identity.page_bytes long in
+        all or the key is malformed."""
 
     @abstractmethod
     def delete(self, key: bytes) -> bool:
@@ -165,7 +169,7 @@ class StorageTier(ABC):
     def batch_get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
         return [self.get(k) for k in keys]
 
-    def batch_set(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+    def batch_set(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
         return [self.set(k, d) for k, d in items]
 
     def batch_read(self, keys: Sequence[bytes], sink: Callable[[int, memoryview], None]) -> int:

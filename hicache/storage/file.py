@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from hicache.storage import page_format as fmt
-from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity, TierStats, check_pieces
+from hicache.storage.base import Buffer, Payload, StorageTier, TierHealth, TierIdentity, TierStats, check_pieces
 from hicache.validate import is_int
 
 log = logging.getLogger(__name__)
@@ -325,10 +325,10 @@ class FileTier(StorageTier):
         self._count(misses=1, corrupt=1)
 
     # ---- writes -------------------------------------------------------------------------------
-    def set(self, key: bytes, data: Buffer) -> bool:
+    def set(self, key: bytes, data: Payload) -> bool:
         return self.batch_set([(key, data)])[0]
 
-    def batch_set(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+    def batch_set(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
         headers = [fmt.encode_header(self.identity, key, data) for key, data in items]  # validates all first
         if self.max_bytes is not None and items and fmt.stored_size(self.identity, items[0][0]) > self.max_bytes:
             self._count(write_failures=len(items), no_space=len(items))
@@ -379,10 +379,10 @@ class FileTier(StorageTier):
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes)
         return ok
 
-    def _write_tmp(self, tmp: Path, header: bytes, data: Buffer) -> bool:
+    def _write_tmp(self, tmp: Path, header: bytes, data: Payload) -> bool:
         try:
             tmp.parent.mkdir(exist_ok=True)
-            write_file(tmp, [header, data], self.fsync is True)
+            write_file(tmp, [header, *fmt.payload_parts(data)], self.fsync is True)
             return True
         except OSError as e:
             _unlink(tmp)

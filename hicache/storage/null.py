@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hicache.storage import page_format as fmt
-from hicache.storage.base import Buffer, StorageTier, TierHealth, TierStats
+from hicache.storage.base import Payload, StorageTier, TierHealth, TierStats
 
 
 class NullTier(StorageTier):
@@ -21,7 +21,7 @@ class NullTier(StorageTier):
         self._count(misses=1)
         return None
 
-    def set(self, key: bytes, data: Buffer) -> bool:
+    def set(self, key: bytes, data: Payload) -> bool:
         fmt.encode_header(self.identity, key, data)  # same validation as a real tier
         return False
 

@@ -28,7 +28,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from hicache.storage.base import Buffer, TierIdentity
+from hicache.storage.base import Buffer, Payload, TierIdentity
 
 try:  # the same XXH3-64 without the GIL, for inputs over 240 bytes (the C extension; optional)
     from hicache.storage._xxh3 import pread_xxh3 as _pread_xxh3
@@ -104,13 +104,23 @@ def stored_size(identity: TierIdentity, key: bytes) -> int:
     return HEADER_BYTES + len(key) + identity.page_bytes
 
 
-def encode_header(identity: TierIdentity, key: bytes, payload: Buffer, algorithm: int | None = None) -> bytes:
-    """The header + key to store in front of `payload` (written as-is after it).
+def payload_parts(payload: Payload) -> list[memoryview]:
+    """A page payload as byte views in page order: a list's items (a host page's pieces),
+    or the one buffer."""
+    if isinstance(payload, list):
+        return [memoryview(p).cast("B") for p in payload]
+    return [memoryview(payload).cast("B")]
+
+
+def encode_header(identity: TierIdentity, key: bytes, payload: Payload, algorithm: int | None = None) -> bytes:
+    """The header + key to store in front of `payload` (written as-is after it: one buffer,
+    or a list of buffers in page order).
 
     Raises ValueError for a bad key or a payload that is not identity.page_bytes long.
     """
     check_key(key)
-    size = memoryview(payload).nbytes
+    parts = payload_parts(payload)
+    size = sum(p.nbytes for p in parts)
     if size != identity.page_bytes:
         raise ValueError(f"page payload must be {identity.page_bytes} bytes for this geometry, got {size}")
     algorithm = default_algorithm() if algorithm is None else algorithm
@@ -127,7 +137,7 @@ def encode_header(identity: TierIdentity, key: bytes, payload: Buffer, algorithm
         identity.namespace_hash,
         size,
     )
-    return fixed + _CHECKSUM.pack(summer([fixed, key, payload])) + key
+    return fixed + _CHECKSUM.pack(summer([fixed, key, *parts])) + key
 
 
 def encode_page(identity: TierIdentity, key: bytes, payload: Buffer) -> bytes:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hicache.storage import page_format as fmt
-from hicache.storage.base import Buffer, StorageTier, TierHealth, TierIdentity, TierStats
+from hicache.storage.base import Buffer, Payload, StorageTier, TierHealth, TierIdentity, TierStats
 from hicache.storage.redis_link import Backoff, Command, Link, ServerLink, down_errors
 from hicache.storage.resp import Into, Parts
 
@@ -220,16 +220,15 @@ class RedisTier(StorageTier):
         return payload
 
     # ---- writes -------------------------------------------------------------------------------
-    def set(self, key: bytes, data: Buffer) -> bool:
+    def set(self, key: bytes, data: Payload) -> bool:
         return self.batch_set([(key, data)])[0]
 
-    def batch_set(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+    def batch_set(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
         for key, data in items:  # validate everything before sending anything
             fmt.check_key(key)
-            if memoryview(data).nbytes != self.identity.page_bytes:
-                raise ValueError(
-                    f"page payload must be {self.identity.page_bytes} bytes, got {memoryview(data).nbytes}"
-                )
+            size = sum(p.nbytes for p in fmt.payload_parts(data))
+            if size != self.identity.page_bytes:
+                raise ValueError(f"page payload must be {self.identity.page_bytes} bytes, got {size}")
         tail: tuple[Any, ...] = () if self.ttl_ms is None else ("PX", self.ttl_ms)
         ok: list[bool] = []
         for start in range(0, len(items), self._per_batch):
@@ -245,10 +244,11 @@ class RedisTier(StorageTier):
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes, write_failures=len(ok) - n_ok)
         return ok
 
-    def _encode(self, key: bytes, data: Buffer) -> Parts:
-        """The stored form of a page as two buffers sent back to back: header + key, and the
-        caller's payload itself (resp sends it as it is: no copy)."""
-        return Parts((fmt.encode_header(self.identity, key, data), memoryview(data).cast("B")))
+    def _encode(self, key: bytes, data: Payload) -> Parts:
+        """The stored form of a page as buffers sent back to back: header + key, then the
+        caller's payload itself, one buffer or its pieces (resp sends them as they are: no
+        copy)."""
+        return Parts((fmt.encode_header(self.identity, key, data), *fmt.payload_parts(data)))
 
     def _note_errors(self, replies: list[Any], what: str) -> None:
         """Count error replies (OOM under maxmemory, a redirect a plain client cannot follow)

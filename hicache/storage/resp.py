@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import select
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from hicache.storage.base import Buffer
 Into = Callable[[int, int], memoryview | None]  # (command index, bulk length) -> where to put it
 
 SEND_APART = 16 << 10  # a value piece at least this long is sent as its own buffer, not copied
+SEND_GATHER = 64  # buffers per sendmsg (IOV_MAX is 1024 on Linux)
 READ_BYTES = 64 << 10  # the reply reader's buffer (status lines, small replies, headers)
 
 
@@ -48,7 +50,8 @@ def pack(commands: Sequence[Sequence[Any]]) -> list[Buffer]:
             small += b"$%d\r\n" % sum(p.nbytes for p in pieces)
             for piece in pieces:
                 if piece.nbytes >= SEND_APART:
-                    out.append(small)
+                    if small:
+                        out.append(small)
                     out.append(piece)
                     small = bytearray()
                 else:
@@ -57,6 +60,25 @@ def pack(commands: Sequence[Sequence[Any]]) -> list[Buffer]:
     if small:
         out.append(small)
     return out
+
+
+def send_all(sock: socket.socket, chunks: Sequence[Buffer]) -> None:
+    """Send the chunks in order: gathered, up to SEND_GATHER buffers per sendmsg (a page sent
+    as its pieces costs a few system calls, not one per piece), or one sendall per chunk on a
+    socket without sendmsg (TLS). Raises OSError as sendall does."""
+    if isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
+        for chunk in chunks:
+            sock.sendall(chunk)
+        return
+    views = [memoryview(c).cast("B") for c in chunks]
+    at = 0
+    while at < len(views):
+        sent = sock.sendmsg(views[at : at + SEND_GATHER])
+        while at < len(views) and sent >= views[at].nbytes:
+            sent -= views[at].nbytes
+            at += 1
+        if sent:
+            views[at] = views[at][sent:]
 
 
 def _pieces(arg: Any) -> list[memoryview]:
@@ -262,8 +284,7 @@ class Wires:
 
         wire = self._take()
         try:
-            for chunk in pack(commands):
-                wire.sock.sendall(chunk)
+            send_all(wire.sock, pack(commands))
             replies = [wire.reader.reply(None if into is None else _bound(into, i)) for i in range(len(commands))]
         except BaseException as exc:
             wire.close()

@@ -260,8 +260,12 @@ def test_a_fetch_lands_exact_pages_in_every_layout(tmp_path, layout, page_size):
         pool.close()
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-def test_pages_written_to_storage_are_exact_and_page_first_direct_ones_uncopied(tmp_path, layout):
+@pytest.mark.parametrize(
+    ("layout", "page_size"), [("layer_first", 4), ("page_first", 4), ("page_first_direct", 4), ("page_first", 64)]
+)
+def test_pages_written_to_storage_are_exact_and_uncopied_where_the_pool_has_pieces(tmp_path, layout, page_size):
+    """The writer hands a tier the host page's own pieces (no copy) where page_pieces gives
+    them, and a copy (read_page) where it does not (page_first with too many token rows)."""
     import numpy as np
     from conftest import load_config
 
@@ -269,7 +273,7 @@ def test_pages_written_to_storage_are_exact_and_page_first_direct_ones_uncopied(
     from hicache.geometry import KVGeometry
     from hicache.storage.file import FileTier
 
-    g = KVGeometry.from_hf_config(load_config("mimo_v2_flash"), page_size=4)
+    g = KVGeometry.from_hf_config(load_config("mimo_v2_flash"), page_size=page_size)
     tier = FileTier(identity(g), tmp_path, fsync=False)
     pool = HostKVPool(g, 4, layout)
     cache = HierarchicalCache(pool, tier)  # write_through: every put is stored
@@ -279,9 +283,12 @@ def test_pages_written_to_storage_are_exact_and_page_first_direct_ones_uncopied(
         page = cache.index.page_of(key(1))
         assert page is not None
         data = cache._read_job(WriteJob(key(1), page))  # what the writer hands the tier
-        assert data is not None and bytes(data) == payload(g, 1)
-        shares = np.shares_memory(np.frombuffer(data, dtype=np.uint8), pool.flat.numpy())
-        assert shares == (layout == "page_first_direct")  # one contiguous piece: the pool's own bytes
+        parts = data if isinstance(data, list) else [data]
+        assert b"".join(bytes(p) for p in parts) == payload(g, 1)
+        shares = [np.shares_memory(np.frombuffer(p, dtype=np.uint8), pool.flat.numpy()) for p in parts]
+        has_pieces = pool.page_pieces(page) is not None
+        assert has_pieces == (page_size == 4) and isinstance(data, list) == has_pieces
+        assert all(shares) == has_pieces and any(shares) == has_pieces  # the pool's own bytes, or a copy
     finally:
         cache.close()
         pool.close()

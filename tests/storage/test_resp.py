@@ -6,6 +6,7 @@ connections set up for the wire."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from redis import exceptions as rx
 from tier_helpers import GEOMETRIES, free_port, identity, key, payload
 
 from hicache.storage.redis import RedisTier
-from hicache.storage.resp import SEND_APART, Parts, Reader, Wires, error_reply, pack
+from hicache.storage.resp import SEND_APART, Parts, Reader, Wires, error_reply, pack, send_all
 
 
 def test_pack_sends_large_value_pieces_as_they_are_and_joins_the_rest():
@@ -325,3 +326,26 @@ def test_the_tier_over_tls(tmp_path):
         tier.close()
     finally:
         stop(proc)
+
+
+def test_send_all_gathers_many_buffers_through_partial_sends() -> None:
+    """More buffers than one sendmsg takes, a socket buffer far smaller than the data (every
+    sendmsg is partial, often mid-buffer), and empty buffers: the peer gets exactly the
+    concatenation."""
+    rng = random.Random(5)
+    chunks = [rng.randbytes(rng.choice([0, 1, 700, 20_000, 81_920])) for _ in range(300)]
+    left, right = socket.socketpair()
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    received = bytearray()
+
+    def drain() -> None:
+        while data := right.recv(1 << 16):
+            received.extend(data)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    send_all(left, [memoryview(c) for c in chunks])
+    left.close()
+    reader.join(60)
+    right.close()
+    assert not reader.is_alive() and bytes(received) == b"".join(chunks)

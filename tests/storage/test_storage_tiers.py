@@ -141,3 +141,21 @@ def test_batch_read_into_fills_the_pieces_in_order_and_stops_at_a_miss(make):
         tier.batch_read_into([key(0)], lambda i: [pages[0][0], pages[0][1], pages[0][2], pages[0][3][1:]])
     with pytest.raises(ValueError, match="writable contiguous byte view"):
         tier.batch_read_into([key(0)], lambda i: [memoryview(payload(g, 0))])
+
+
+def test_a_page_given_as_pieces_is_stored_as_their_concatenation(make):
+    """batch_set takes a page as a list of buffers (a host page's pieces) and stores them
+    back to back, never joined by the caller; a bad total is refused before anything is stored."""
+    g = GEOMETRIES["mimo_kv"]
+    tier = make(identity(g))
+    whole = [payload(g, i) for i in range(3)]
+    cuts = (0, 1, 100, g.page_bytes // 2, g.page_bytes)
+    as_pieces = [[memoryview(p)[a:b] for a, b in zip(cuts, cuts[1:], strict=False)] for p in whole]
+    assert tier.batch_set([(key(0), as_pieces[0]), (key(1), whole[1]), (key(2), [bytearray(whole[2])])]) == [True] * 3
+    assert [bytes(tier.get(key(i)) or b"") for i in range(3)] == whole
+    short = [memoryview(whole[0])[:100], memoryview(whole[0])[200:]]
+    with pytest.raises(ValueError, match=f"must be {g.page_bytes} bytes.*got {g.page_bytes - 100}"):
+        tier.batch_set([(key(5), whole[0]), (key(6), short)])
+    with pytest.raises(ValueError, match=f"must be {g.page_bytes} bytes.*got 0"):
+        tier.set(key(7), [])
+    assert tier.batch_exists([key(5)]) == 0 and not tier.exists(key(6))
