@@ -239,6 +239,17 @@ class StorageTier(ABC):
             self._counters.last_error = message
 
 
+def skip_done(views: list[memoryview], at: int, done: int) -> int:
+    """After a gathered write (writev, sendmsg) from views[at:] that moved `done` bytes: the
+    index of the first view not wholly written, views[at] trimmed to its unwritten rest."""
+    while at < len(views) and done >= views[at].nbytes:
+        done -= views[at].nbytes
+        at += 1
+    if done:
+        views[at] = views[at][done:]
+    return at
+
+
 def check_pieces(pieces: Sequence[memoryview], page_bytes: int) -> Sequence[memoryview]:
     """`pieces` if they are writable byte views adding up to page_bytes; else ValueError."""
     total = 0

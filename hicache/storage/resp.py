@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hicache.storage.base import Buffer
+from hicache.storage.base import Buffer, skip_done
 
 Into = Callable[[int, int], memoryview | None]  # (command index, bulk length) -> where to put it
 
@@ -73,12 +73,7 @@ def send_all(sock: socket.socket, chunks: Sequence[Buffer]) -> None:
     views = [memoryview(c).cast("B") for c in chunks]
     at = 0
     while at < len(views):
-        sent = sock.sendmsg(views[at : at + SEND_GATHER])
-        while at < len(views) and sent >= views[at].nbytes:
-            sent -= views[at].nbytes
-            at += 1
-        if sent:
-            views[at] = views[at][sent:]
+        at = skip_done(views, at, sock.sendmsg(views[at : at + SEND_GATHER]))
 
 
 def _pieces(arg: Any) -> list[memoryview]:

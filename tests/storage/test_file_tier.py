@@ -1,5 +1,6 @@
 import errno
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -256,3 +257,16 @@ def test_read_threads_must_be_an_int_from_1_to_64(tmp_path, bad):
         FileTier(identity(g), tmp_path, read_threads=bad)
     with pytest.raises(ValueError, match=f"got {bad!r}"):
         check_extra("file", {"dir": str(tmp_path), "read_threads": bad})
+
+
+def test_write_file_writes_many_parts_gathered_in_order(tmp_path, monkeypatch):
+    import hicache.storage.file as file_tier
+
+    monkeypatch.setattr(file_tier, "IOV_MAX", 3)  # 10 parts: four writev calls
+    rng = random.Random(4)
+    parts = [rng.randbytes(n) for n in (80, 0, 81_920, 1, 0, 5000, 81_920, 7, 0, 3)]
+    path = tmp_path / "page"
+    file_tier.write_file(path, [memoryview(p) for p in parts], fsync=True)
+    assert path.read_bytes() == b"".join(parts)
+    file_tier.write_file(path, [b"short"], fsync=False)  # an existing file is replaced, not kept longer
+    assert path.read_bytes() == b"short"
