@@ -224,17 +224,14 @@ class RedisTier(StorageTier):
         return self.batch_set([(key, data)])[0]
 
     def batch_set(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
-        for key, data in items:  # validate everything before sending anything
-            fmt.check_key(key)
-            size = sum(p.nbytes for p in fmt.payload_parts(data))
-            if size != self.identity.page_bytes:
-                raise ValueError(f"page payload must be {self.identity.page_bytes} bytes, got {size}")
+        encoded = [self._encode(key, data) for key, data in items]  # checks every page before sending any
         tail: tuple[Any, ...] = () if self.ttl_ms is None else ("PX", self.ttl_ms)
         ok: list[bool] = []
         for start in range(0, len(items), self._per_batch):
             chunk = items[start : start + self._per_batch]
+            values = encoded[start : start + self._per_batch]
             replies = self._link.run(
-                [("SET", self.prefix + key, self._encode(key, data), *tail) for key, data in chunk]
+                [("SET", self.prefix + key, value, *tail) for (key, _), value in zip(chunk, values, strict=True)]
             )
             self._note_errors(replies, "writes")
             done = [not isinstance(r, Exception) and bool(r) for r in replies]
@@ -247,7 +244,7 @@ class RedisTier(StorageTier):
     def _encode(self, key: bytes, data: Payload) -> Parts:
         """The stored form of a page as buffers sent back to back: header + key, then the
         caller's payload itself, one buffer or its pieces (resp sends them as they are: no
-        copy)."""
+        copy). Raises ValueError for a bad key or payload length (encode_header)."""
         return Parts((fmt.encode_header(self.identity, key, data), *fmt.payload_parts(data)))
 
     def _note_errors(self, replies: list[Any], what: str) -> None:
