@@ -42,6 +42,7 @@ MAX_KEY_BYTES = 64
 XXH3_64 = 1
 CRC32 = 2
 _FIXED = struct.Struct("<4sHBB8s8s8sQ")  # everything before the checksum: 40 bytes
+_ALGORITHM_AT = struct.calcsize("<4sH")  # the checksum algorithm byte's offset in _FIXED
 _CHECKSUM = struct.Struct("<Q")
 HEADER_BYTES = _FIXED.size + _CHECKSUM.size  # 48, before the key
 
@@ -168,7 +169,7 @@ def read_payload_checksummed(fd: int, head: memoryview, pieces: Sequence[memoryv
     after a short read) for verify_page(checksum=...), or None when the header names another
     algorithm or the extension is not built: the caller reads, verify_page computes it.
     OSError for a failed read."""
-    if _pread_xxh3 is None or head.nbytes < HEADER_BYTES or head[6] != XXH3_64:
+    if _pread_xxh3 is None or head.nbytes < HEADER_BYTES or head[_ALGORITHM_AT] != XXH3_64:
         return None
     return _pread_xxh3(fd, head.nbytes, [head[: _FIXED.size], head[HEADER_BYTES:]], pieces)
 
