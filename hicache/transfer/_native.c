@@ -424,6 +424,109 @@ static PyObject *copy_shares(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- a small transfer: one call, no descriptors from Python ------------------------ */
+
+/* The descriptors of moving template row j (buffer j / layers, layer position j % layers, of
+ * page 0 to page 0) to every page pair, in (layer, page, buffer) order: layer i's are
+ * descs[i * n * buffers, (i + 1) * n * buffers). NULL with an exception on overflow or a
+ * descriptor outside either buffer. */
+static CopyDesc *page_descs(const CopyDesc *tpl, const int64_t *src_step, const int64_t *dst_step, Py_ssize_t k,
+                            Py_ssize_t layers, const int64_t *src_pages, const int64_t *dst_pages, Py_ssize_t n,
+                            int64_t dst_size, int64_t src_size) {
+    Py_ssize_t buffers = k / layers, total = k * n;
+    CopyDesc *descs = PyMem_Malloc(total > 0 ? (size_t)total * sizeof(CopyDesc) : 1);
+    if (descs == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    Py_ssize_t at = 0;
+    for (Py_ssize_t l = 0; l < layers; l++)
+        for (Py_ssize_t p = 0; p < n; p++)
+            for (Py_ssize_t b = 0; b < buffers; b++, at++) {
+                Py_ssize_t j = b * layers + l;
+                CopyDesc c = tpl[j];
+                int64_t src_off, dst_off;
+                if (src_pages[p] < 0 || dst_pages[p] < 0 || __builtin_mul_overflow(src_pages[p], src_step[j], &src_off) ||
+                    __builtin_mul_overflow(dst_pages[p], dst_step[j], &dst_off) ||
+                    __builtin_add_overflow(c.src, src_off, &c.src) || __builtin_add_overflow(c.dst, dst_off, &c.dst)) {
+                    PyMem_Free(descs);
+                    PyErr_Format(PyExc_ValueError, "page pair %zd (%lld -> %lld) is out of range", p,
+                                 (long long)src_pages[p], (long long)dst_pages[p]);
+                    return NULL;
+                }
+                if (check_desc(&c, at, dst_size, src_size) < 0) {
+                    PyMem_Free(descs);
+                    return NULL;
+                }
+                descs[at] = c;
+            }
+    return descs;
+}
+
+/* copy_pages(dst_addr, dst_size, src_addr, src_size, template, src_step, dst_step, src_pages,
+ * dst_pages, layers, streaming, progress_addr): copy every page pair src_pages[p] ->
+ * dst_pages[p] as the template's (k, 6) descriptors of page 0 -> page 0 moved by each row's
+ * page steps, in the calling thread without the GIL, layer by layer, storing the count of
+ * layers done into the word at progress_addr (0: none). What copy_shares does for one share,
+ * without building descriptors in Python first. Everything is checked before any copy. */
+static PyObject *copy_pages(PyObject *self, PyObject *args) {
+    uintptr_t dst_addr, src_addr, progress;
+    long long dst_size, src_size;
+    PyObject *tpl_obj, *sstep_obj, *dstep_obj, *spages_obj, *dpages_obj;
+    Py_ssize_t layers;
+    int streaming;
+    Py_buffer views[5];
+    int got = 0;
+    PyObject *result = NULL;
+    CopyDesc *descs = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O&LO&LOOOOOnpO&", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
+                          &tpl_obj, &sstep_obj, &dstep_obj, &spages_obj, &dpages_obj, &layers, &streaming, to_address,
+                          &progress))
+        return NULL;
+    if (check_buffers(dst_addr, dst_size, src_addr, src_size, 1) < 0)
+        return NULL;
+    if (progress % 4 != 0)
+        return PyErr_Format(PyExc_ValueError, "the progress word must be 4-byte aligned");
+    PyObject *objs[5] = {tpl_obj, sstep_obj, dstep_obj, spages_obj, dpages_obj};
+    const char *names[5] = {"template", "src_step", "dst_step", "src_pages", "dst_pages"};
+    for (; got < 5; got++)
+        if (get_int64s(objs[got], &views[got], got == 0 ? DESC_FIELDS : 0, names[got]) < 0)
+            goto done;
+    Py_ssize_t k = views[0].shape[0], n = views[3].shape[0];
+    if (layers < 1 || k % layers != 0 || views[1].shape[0] != k || views[2].shape[0] != k || views[4].shape[0] != n) {
+        PyErr_Format(PyExc_ValueError,
+                     "need a template of buffers x %zd layers rows with a page step each, and as many destination "
+                     "as source pages; got %zd rows, %zd and %zd steps, %zd and %zd pages",
+                     layers, k, views[1].shape[0], views[2].shape[0], n, views[4].shape[0]);
+        goto done;
+    }
+    descs = page_descs(views[0].buf, views[1].buf, views[2].buf, k, layers, views[3].buf, views[4].buf, n, dst_size,
+                       src_size);
+    if (descs == NULL)
+        goto done;
+    int64_t *ends = PyMem_Malloc((size_t)layers * sizeof(int64_t));
+    if (ends == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t l = 0; l < layers; l++)
+        ends[l] = (int64_t)(l + 1) * (int64_t)(k / layers) * (int64_t)n;
+    Share share = {(char *)dst_addr, (const char *)src_addr, descs, ends, layers, 1, streaming,
+                   (uint32_t *)progress};
+    Py_BEGIN_ALLOW_THREADS
+    run_share(&share);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(ends);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(descs);
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"wait_progress", wait_progress, METH_VARARGS,
      "wait_progress(addr, target, timeout_s) -> int\n\n"
@@ -434,6 +537,12 @@ static PyMethodDef methods[] = {
      "copy_layers for several shares at once: in this thread and on the copy crew's threads, all\n"
      "without the GIL; shares is a sequence of (descriptors, layer_ends) and\n"
      "progress_addrs one word address (0: none) per share. Checks everything first."},
+    {"copy_pages", copy_pages, METH_VARARGS,
+     "copy_pages(dst_addr, dst_size, src_addr, src_size, template, src_step, dst_step, src_pages, dst_pages,\n"
+     "           layers, streaming, progress_addr) -> None\n\n"
+     "A small transfer in this thread, without the GIL: the (k, 6) page-0 template moved to every\n"
+     "page pair by its rows' page steps, layer by layer (template row j: layer j % layers),\n"
+     "publishing layers into the word at progress_addr (0: none). Checks everything first."},
     {"build_descriptors", build_descriptors, METH_VARARGS,
      "build_descriptors(src_strides, dst_strides, page_size, src_pages, dst_pages, layers, by_layer, key_is_src)\n"
      "-> (descriptors, positions)\n\n"

@@ -15,6 +15,21 @@ def copy_shares(
     progress_addrs: Sequence[int],
     /,
 ) -> None: ...
+def copy_pages(
+    dst_addr: int,
+    dst_size: int,
+    src_addr: int,
+    src_size: int,
+    template: Any,
+    src_step: Any,
+    dst_step: Any,
+    src_pages: Any,
+    dst_pages: Any,
+    layers: int,
+    streaming: bool,
+    progress_addr: int,
+    /,
+) -> None: ...
 def wait_progress(addr: int, target: int, timeout_s: float, /) -> int: ...
 def publish(addr: int, value: int, /) -> None: ...
 def build_descriptors(

@@ -279,6 +279,11 @@ class TransferEngine:
     def _copy_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords) -> None:
         """Every layer in one C call from this thread (its first share here, the others on
         the copy crew), each share publishing into its word."""
+        nbytes = plan.num_pages * self.geometry.page_bytes_for(len(plan.layers))
+        if self._shares_for(nbytes, len(words)) == 1:  # one thread's work: no descriptors in Python
+            self._publish_spares(words, 1, len(plan.layers))
+            native.copy_small(src, dst, plan, plan.layers, words.addresses[0])
+            return
         batch = native.layered(src, dst, plan, plan.layers)
         shares = self._shares_for(batch.nbytes, len(words))
         self._publish_spares(words, shares, len(plan.layers))
@@ -319,7 +324,12 @@ class TransferEngine:
             copy_pages_triton(src, dst, plan if layers is None else layer_plan(plan, layers))
             return
         if self.backend == "native":
-            batch = native.descriptors(src, dst, plan, plan.layers if layers is None else layers)
+            chosen = plan.layers if layers is None else layers
+            nbytes = plan.num_pages * self.geometry.page_bytes_for(len(chosen))
+            if nbytes < native.SMALL_BYTES and self._shares_for(nbytes) == 1:
+                native.copy_small(src, dst, plan, chosen)  # one thread's work: no descriptors in Python
+                return
+            batch = native.descriptors(src, dst, plan, chosen)
             shares = self._shares_for(batch.nbytes)
             native.batch_call(src, dst, batch, shares)()
             return

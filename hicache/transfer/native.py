@@ -13,8 +13,9 @@ too (layered, layered_call): each share publishes the layers it has done into a 
 word. An asynchronous one is queued instead (layered_submit) on a C thread that never takes
 the GIL, so a busy Python thread cannot delay its start, and its words alone tell when it
 is done. Transfers below SMALL_BYTES are copied unsorted, their descriptors made from a
-cached page template, and below SHARE_MIN_BYTES by the calling thread alone; those of
-STREAM_MIN_BYTES or more use non-temporal stores.
+cached page template; below SHARE_MIN_BYTES the calling thread copies them alone, in one C
+call that moves the template to each page itself (copy_small); those of STREAM_MIN_BYTES or
+more use non-temporal stores.
 
 Without the compiled extension (no C compiler at install time) available() is False and
 the engine uses torch copies instead.
@@ -128,7 +129,26 @@ def page_template(src: Layout, dst: Layout, page_size: int, layers: tuple[int, .
     count = len(layers)
     src_stride = np.repeat([s.page_stride for s in src.strides], count).astype(np.int64)
     dst_stride = np.repeat([d.page_stride for d in dst.strides], count).astype(np.int64)
-    return PageTemplate(np.concatenate(parts), src_stride, dst_stride)
+    descs = np.concatenate(parts)
+    for shared in (descs, src_stride, dst_stride):  # cached: every caller reads the same arrays
+        shared.flags.writeable = False
+    return PageTemplate(descs, src_stride, dst_stride)
+
+
+def copy_small(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int], progress: int = 0) -> None:
+    """Copy a transfer below SHARE_MIN_BYTES (one thread's work) in the calling thread, in one
+    C call without the GIL: the cached page template moved to each page pair in C, layer by
+    layer, each finished layer's count stored into the word at `progress` (0: none). No
+    descriptors are built in Python. Raises ValueError (nothing copied) for a page outside
+    either pool."""
+    assert _native is not None, "the hicache C extension is not built"
+    if len(layers) == 0:
+        return
+    t = page_template(src.layout, dst.layout, src.geometry.page_size, tuple(layers))
+    _native.copy_pages(
+        dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes, t.descs, t.src_stride, t.dst_stride,
+        np.ascontiguousarray(plan.src_pages), np.ascontiguousarray(plan.dst_pages), len(layers), False, progress,
+    )  # fmt: skip
 
 
 def small_descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int]) -> np.ndarray:

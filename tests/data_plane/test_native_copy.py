@@ -267,3 +267,74 @@ def test_a_small_transfers_template_descriptors_are_the_chunks_of_its_pages(src_
             small = native.small_descriptors(src, dst, plan, layers)
             full = np.concatenate(native.chunk_parts(src, dst, plan, np.asarray(layers, dtype=np.int64)))
             assert sorted(map(tuple, small.tolist())) == sorted(map(tuple, full.tolist()))
+
+
+@needs_native
+@pytest.mark.parametrize("src_layout", LAYOUTS)
+@pytest.mark.parametrize("dst_layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp4_e2m1"])
+def test_copy_small_moves_exactly_the_chosen_pages_and_layers(src_layout, dst_layout, dtype):
+    """The one-call small path (the template moved to each page pair in C) writes the chosen
+    layers of the destination pages with the source pages' bytes and nothing else, and
+    publishes every layer into its progress word."""
+    g = KVGeometry(layer_num=4, head_num=2, head_dim=32, v_head_dim=16, page_size=4, dtype=dtype)
+    src, dst = HostKVPool(g, 10, src_layout), HostKVPool(g, 10, dst_layout)
+    fill_random(src, 1)
+    rng = np.random.default_rng(len(src_layout) * 7 + len(dst_layout))
+    word = np.zeros(1, dtype=np.uint32)
+    for pages in (0, 1, 3):
+        for layers in ((0, 1, 2, 3), (3, 1), (2,)):
+            fill_random(dst, 2)
+            before = dst.flat.clone()
+            s_pages, d_pages = rng.permutation(10)[:pages], rng.permutation(10)[:pages]
+            plan = make_plan(s_pages, 10, d_pages, 10, g.layer_num, layers, ("src", "dst"))
+            word[0] = 0
+            native.copy_small(src, dst, plan, plan.layers, word.ctypes.data)
+            assert int(word[0]) == len(plan.layers)
+            for s_page, d_page in zip(s_pages.tolist(), d_pages.tolist(), strict=True):
+                assert same_page(src, s_page, dst, d_page, list(layers))
+            untouched = torch.ones(dst.nbytes, dtype=torch.bool)
+            untouched[expected_marks(dst, d_pages.tolist(), layers) > 0] = False
+            assert torch.equal(dst.flat[untouched], before[untouched])
+
+
+@needs_native
+def test_copy_small_refuses_a_page_outside_either_pool_before_copying_anything():
+    g = mimo()
+    src, dst = HostKVPool(g, 8), HostKVPool(g, 4)
+    fill_random(src, 3)
+    before = dst.flat.clone()
+    past = make_plan([1, 7], 8, [0, 7], 8, g.layer_num)  # destination page 7 of a 4-page pool
+    with pytest.raises(ValueError, match="writes past the destination's"):
+        native.copy_small(src, dst, past, past.layers)
+    assert torch.equal(dst.flat, before)  # page pair 0 was valid, and not copied either
+    t = native.page_template(src.layout, dst.layout, g.page_size, (0, 1))
+    args = (dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes, t.descs, t.src_stride, t.dst_stride)
+    with pytest.raises(ValueError, match=r"page pair 0 \(-1 -> 0\) is out of range"):
+        native._native.copy_pages(*args, np.array([-1]), np.array([0]), 2, False, 0)
+    with pytest.raises(ValueError, match="as many destination as source pages; got 4 rows, 4 and 4 steps, 2 and 1"):
+        native._native.copy_pages(*args, np.array([0, 1]), np.array([0]), 2, False, 0)
+    with pytest.raises(ValueError, match="buffers x 3 layers rows"):
+        native._native.copy_pages(*args, np.array([0]), np.array([0]), 3, False, 0)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        native._native.copy_pages(*args, np.array([0, 1, 2, 3])[::2], np.array([0, 1]), 2, False, 0)
+    assert torch.equal(dst.flat, before)
+
+
+@needs_native
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_one_thread_transfer_of_strided_page_lists_copies_each_pair(layerwise):
+    """Page lists the caller gives as strided int64 views (kept as they are by the plan) take
+    the one-call small path like any other."""
+    g = mimo()
+    dev, host = DeviceKVPool(g, 16), HostKVPool(g, 16)
+    fill_random(host, 4)
+    engine = TransferEngine(dev, host, "native", copy_threads=1)
+    host_pages, dev_pages = np.arange(12, dtype=np.int64)[::3], np.arange(8, dtype=np.int64)[::2]
+    if layerwise:
+        engine.reload_async(host_pages, dev_pages).wait(30)
+    else:
+        engine.reload(host_pages, dev_pages)
+    for h, d in zip(host_pages.tolist(), dev_pages.tolist(), strict=True):
+        assert same_page(host, h, dev, d)
+    engine.close()
