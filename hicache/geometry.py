@@ -40,6 +40,7 @@ _DTYPE_ALIASES = {
 DTYPES: tuple[str, ...] = tuple(_DTYPES)
 FP4_BLOCK = 16  # fp4 elements that share one uint8 scale
 MAX_PAGE_BYTES = 1 << 40  # a page larger than 1 TiB is a mistake, not a model
+MAX_LAYERS = 1 << 16  # models have a few hundred; the layer ids are built per layer, so bound them first
 
 
 def normalize_dtype(name: str) -> str:
@@ -99,6 +100,8 @@ class KVGeometry:
         set_(self, "dtype", normalize_dtype(self.dtype))
         for name in ("layer_num", "head_num", "page_size"):
             _check_int(name, getattr(self, name), minimum=1)
+        if self.layer_num > MAX_LAYERS:
+            raise ValueError(f"KVGeometry.layer_num must be <= {MAX_LAYERS}, got {self.layer_num}")
         for name in ("kv_lora_rank", "qk_rope_head_dim"):
             _check_int(name, getattr(self, name), minimum=0)
         if self.attention == "mla":

@@ -187,6 +187,7 @@ BASE = dict(layer_num=2, head_num=4, head_dim=64, v_head_dim=64)
         ({"layer_ids": (0, -4)}, "layer_ids entry must be >= 0, got -4"),
         ({"kv_lora_rank": 512}, "kv_lora_rank/qk_rope_head_dim must be 0 for MHA"),
         ({"head_num": 1 << 40}, "page_bytes .* exceeds the limit"),
+        ({"layer_num": 2**32 - 1}, "layer_num must be <= 65536, got 4294967295"),  # refused before any per-layer work
     ],
 )
 def test_geometry_errors(changes, message):
