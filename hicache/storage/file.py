@@ -27,13 +27,13 @@ import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
 from hicache.storage import page_format as fmt
 from hicache.storage.base import (
     Buffer,
+    LazyThreads,
     Payload,
     StorageTier,
     TierHealth,
@@ -112,8 +112,7 @@ class FileTier(StorageTier):
         self._read_since: OrderedDict[bytes, None] = OrderedDict()  # read, recency not yet on disk
         self._buffers = threading.local()  # each thread's reused page buffer (batch_read)
         self.read_threads = read_threads
-        self._readers: ThreadPoolExecutor | None = None  # batch_read_into's, made on first use
-        self._readers_pid = 0  # the process that made them (a forked child makes its own)
+        self._readers = LazyThreads(read_threads, "hicache-file-read")  # batch_read_into's
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
 
@@ -205,15 +204,8 @@ class FileTier(StorageTier):
             while n < len(keys) and self._read_into(keys[n], pieces[n]):
                 n += 1
             return n
-        found = list(self._reader_pool().map(self._read_into, keys, pieces))
+        found = list(self._readers.get().map(self._read_into, keys, pieces))
         return found.index(False) if False in found else len(found)
-
-    def _reader_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._readers is None or self._readers_pid != os.getpid():  # threads do not survive fork
-                self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="hicache-file-read")
-                self._readers_pid = os.getpid()
-            return self._readers
 
     def _read_into(self, key: bytes, pieces: Sequence[memoryview]) -> bool:
         head = memoryview(bytearray(fmt.HEADER_BYTES + len(key)))
@@ -322,10 +314,7 @@ class FileTier(StorageTier):
 
     def close(self) -> None:
         self.persist_recency()
-        with self._lock:
-            readers, self._readers = self._readers, None
-        if readers is not None and self._readers_pid == os.getpid():
-            readers.shutdown(wait=True)
+        self._readers.close()
 
     def _refuse(self, key: bytes, why: str) -> None:
         """A page file that is not a page: deleted, counted corrupt, served as a miss."""

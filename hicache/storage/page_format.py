@@ -89,6 +89,12 @@ def _checksummer(algorithm: int) -> Callable[[list[Buffer]], int] | None:
     return None
 
 
+def hashes_without_gil() -> bool:
+    """Whether a large page's default checksum runs without the GIL (the C XXH3), so that
+    several threads can checksum pages at once."""
+    return _xxh3_long is not None and default_algorithm() == XXH3_64
+
+
 def default_algorithm() -> int:
     """XXH3_64 when xxhash is importable, else CRC32."""
     return XXH3_64 if _checksummer(XXH3_64) is not None else CRC32

@@ -21,9 +21,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hicache.storage import page_format as fmt
-from hicache.storage.base import Buffer, Payload, StorageTier, TierHealth, TierIdentity, TierStats
+from hicache.storage.base import Buffer, LazyThreads, Payload, StorageTier, TierHealth, TierIdentity, TierStats
 from hicache.storage.redis_link import Backoff, Command, Link, ServerLink, down_errors
 from hicache.storage.resp import Into, Parts
+
+# A batch's pages are checksummed before any is sent; those of PARALLEL_HASH_BYTES or more
+# (where a thread hand-off costs far less than the hash) on HASH_THREADS threads at once.
+HASH_THREADS = 2
+PARALLEL_HASH_BYTES = 1 << 20
 
 
 def check_options(
@@ -99,6 +104,7 @@ class RedisTier(StorageTier):
         self.prefix = f"hicache:{identity.qualifier}:".encode()
         self._per_batch = max(1, max_batch_bytes // fmt.stored_size(identity, b"k" * 32))
         self._arenas = threading.local()  # each thread's reused buffer that GET replies land in
+        self._hashers = LazyThreads(HASH_THREADS, "hicache-redis-hash")
 
     def qualified(self, key: bytes) -> bytes:
         """The Redis key of page key `key`."""
@@ -117,6 +123,7 @@ class RedisTier(StorageTier):
 
     def close(self) -> None:
         self._link.close()
+        self._hashers.close()
 
     # ---- reads --------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
@@ -224,7 +231,7 @@ class RedisTier(StorageTier):
         return self.batch_set([(key, data)])[0]
 
     def batch_set(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
-        encoded = [self._encode(key, data) for key, data in items]  # checks every page before sending any
+        encoded = self._encode_all(items)  # checks every page before sending any
         tail: tuple[Any, ...] = () if self.ttl_ms is None else ("PX", self.ttl_ms)
         ok: list[bool] = []
         for start in range(0, len(items), self._per_batch):
@@ -240,6 +247,14 @@ class RedisTier(StorageTier):
         n_ok = sum(ok)
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes, write_failures=len(ok) - n_ok)
         return ok
+
+    def _encode_all(self, items: Sequence[tuple[bytes, Payload]]) -> list[Parts]:
+        """Every page's stored form; pages of PARALLEL_HASH_BYTES or more on HASH_THREADS
+        threads at once where the checksum runs without the GIL (the wire is idle meanwhile)."""
+        if len(items) < 2 or self.identity.page_bytes < PARALLEL_HASH_BYTES or not fmt.hashes_without_gil():
+            return [self._encode(key, data) for key, data in items]
+        keys, payloads = zip(*items, strict=True)
+        return list(self._hashers.get().map(self._encode, keys, payloads))  # the first error raises here
 
     def _encode(self, key: bytes, data: Payload) -> Parts:
         """The stored form of a page as buffers sent back to back: header + key, then the

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import in_forked_child
 from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, identity, key, payload
 
 from hicache.storage import page_format as fmt
@@ -229,6 +230,27 @@ def test_batch_read_into_on_several_threads_lands_each_page_in_its_own_pieces(tm
     tier.close()  # idempotent
     assert tier.batch_read_into([key(5), key(6)], pieces_of) == 2  # a closed tier's readers come back
     assert bytes(pages[1]) == payload(g, 6)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_reads_on_reader_threads_of_its_own(tmp_path):
+    """The parent's reader threads are not copied by fork: the child's batch_read_into must
+    start its own rather than queue work for threads that are not there (a hang)."""
+    g = GEOMETRIES["mimo_kv"]
+    tier = FileTier(identity(g), tmp_path, read_threads=4)
+    for i in range(4):
+        assert tier.set(key(i), payload(g, i))
+    pages = [bytearray(g.page_bytes) for _ in range(4)]
+    assert tier.batch_read_into([key(i) for i in range(4)], lambda i: [memoryview(pages[i])]) == 4  # threads started
+
+    def child() -> bool:
+        fresh = [bytearray(g.page_bytes) for _ in range(4)]
+        found = tier.batch_read_into([key(3 - i) for i in range(4)], lambda i: [memoryview(fresh[i])])
+        tier.close()
+        return found == 4 and all(bytes(fresh[i]) == payload(g, 3 - i) for i in range(4))
+
+    assert in_forked_child(child)
+    tier.close()
 
 
 def test_batch_read_into_checks_every_key_and_piece_before_reading_any(tmp_path):

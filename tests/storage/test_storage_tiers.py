@@ -1,12 +1,16 @@
 """Behaviour every storage tier shares, run on the file and redis tiers for every geometry."""
 
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
 from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, RedisServer, identity, key, payload
 
+from hicache.geometry import KVGeometry
 from hicache.storage import StorageTier, TierIdentity, make_tier
+from hicache.storage import page_format as fmt
 from hicache.storage.factory import check_extra
+from hicache.storage.redis import PARALLEL_HASH_BYTES, RedisTier
 
 MakeTier = Callable[[TierIdentity], StorageTier]
 
@@ -159,3 +163,21 @@ def test_a_page_given_as_pieces_is_stored_as_their_concatenation(make):
     with pytest.raises(ValueError, match=f"must be {g.page_bytes} bytes.*got 0"):
         tier.set(key(7), [])
     assert tier.batch_exists([key(5)]) == 0 and not tier.exists(key(6))
+
+
+def test_a_batch_of_large_pages_is_checked_whole_then_stored(make):
+    """Pages of a MiB or more (checksummed several at once where the C hash runs without the
+    GIL: the Redis tiers) are stored as given; one bad page refuses the whole batch, naming
+    it, with nothing stored."""
+    g = KVGeometry(layer_num=9, head_num=4, head_dim=192, v_head_dim=128, page_size=64)  # 1.47 MB pages
+    assert g.page_bytes >= PARALLEL_HASH_BYTES
+    tier = make(identity(g))
+    pages = [(key(i), payload(g, i)) for i in range(5)]
+    bad = pages[:3] + [(key(3), pages[3][1][:-1])] + pages[4:]
+    with pytest.raises(ValueError, match=f"must be {g.page_bytes} bytes.*got {g.page_bytes - 1}"):
+        tier.batch_set(bad)
+    assert tier.batch_exists([k for k, _ in pages]) == 0
+    assert tier.batch_set(pages) == [True] * 5
+    assert [bytes(tier.get(k) or b"") for k, _ in pages] == [p for _, p in pages]
+    if isinstance(tier, RedisTier) and fmt.hashes_without_gil():  # the pages went through the hash threads
+        assert any(t.name.startswith("hicache-redis-hash") for t in threading.enumerate())
