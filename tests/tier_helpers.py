@@ -63,19 +63,35 @@ class RedisServer:
         self.port = 0 if unix else free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = f"unix://{self.sock}" if unix else f"redis://127.0.0.1:{self.port}/0"
+        self.started = False  # once started, the port never moves
 
     def start(self) -> None:
-        args = [self.exe, "--save", "", "--appendonly", "no", "--dir", str(self.tmp), "--port", str(self.port)]
-        if self.unix:
-            args += ["--unixsocket", str(self.sock), "--bind", "127.0.0.1"]
-        else:
-            args += ["--bind", "127.0.0.1"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while not self._ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+        """Start the server. On its first start a TCP server whose port was taken meanwhile (it
+        exits at once) moves to another port (url changes), up to twice; a restart keeps its
+        port, as clients already hold the url."""
+        for attempt in range(3):
+            args = [self.exe, "--save", "", "--appendonly", "no", "--dir", str(self.tmp), "--port", str(self.port)]
+            if self.unix:
+                args += ["--unixsocket", str(self.sock), "--bind", "127.0.0.1"]
+            else:
+                args += ["--bind", "127.0.0.1"]
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 20
+            while not self._ready():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            else:
+                self.started = True
+                return
+            exited = self.proc.poll() is not None
+            if not exited:
+                self.proc.kill()
+                self.proc.wait()
+            if not exited or self.unix or self.started or attempt == 2:
                 raise RuntimeError(f"redis-server did not start: {args}")
-            time.sleep(0.01)
+            self.port = free_port()
+            self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def _ready(self) -> bool:
         try:

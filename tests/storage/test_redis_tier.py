@@ -1,5 +1,7 @@
+import socket
+
 import pytest
-from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, identity, key, payload
+from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, RedisServer, identity, key, payload
 
 from hicache.storage.redis import RedisTier
 
@@ -102,3 +104,20 @@ def test_batch_read_receives_pages_into_one_reused_buffer_and_stops_at_the_first
     assert tier.batch_read([key(2)], sink) == 0 and tier.batch_read([key(0), key(3)], sink) == 1
     assert raw.exists(tier.qualified(key(2)), tier.qualified(key(3))) == 0 and tier.stats().corrupt == 2
     tier.close()
+
+
+def test_the_test_redis_server_moves_off_a_port_taken_before_its_first_start(tmp_path):
+    """The suite's RedisServer: a port another process took between drawing and binding it
+    (redis-server exits at once) is replaced on the first start, and the url follows."""
+    server = RedisServer(tmp_path)
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        server.start()
+        try:
+            assert server.port != taken and server.url == f"redis://127.0.0.1:{server.port}/0"
+            with server.client() as client:
+                assert client.ping()
+        finally:
+            server.stop()
