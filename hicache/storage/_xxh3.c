@@ -102,9 +102,30 @@ static void fold_scalar(state *st, const uint8_t *p, size_t count) {
     }
 }
 
+/* Each stripe's 64-byte key within a block (SECRET + 8 * stripe), copied once to aligned rows:
+ * read straight from SECRET, 7 of 8 of these loads would straddle two cache lines. */
+static uint8_t STRIPE_KEYS[STRIPES_PER_BLOCK][STRIPE] __attribute__((aligned(64))); /* made at import */
+
+static void make_stripe_keys(void) {
+    for (int k = 0; k < STRIPES_PER_BLOCK; k++) memcpy(STRIPE_KEYS[k], SECRET + 8 * k, STRIPE);
+}
+
+/* The stripe loops: the portable one, and where the CPU has them AVX2 and AVX-512 (chosen at
+ * the first hash; set_loop picks another, for the tests). */
+enum { LOOP_PORTABLE, LOOP_AVX2, LOOP_AVX512 };
+static const char *const LOOP_NAMES[] = {"portable", "avx2", "avx512"};
+static int loop = -1; /* -1: not yet asked of the CPU */
+static int best_loop(void);
+
+static int current_loop(void) {
+    if (loop < 0) loop = best_loop();
+    return loop;
+}
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2")))
+#define PREFETCH_AHEAD 384 /* bytes: the input ahead of the stripe being folded (harmless past its end) */
 
 /* fold_scalar's steps four lanes at a time, the accumulators held in two registers: the
  * 32x32->64 product is vpmuludq of the keyed word and its upper half moved down, and
@@ -113,17 +134,25 @@ AVX2 static void fold_avx2(state *st, const uint8_t *p, size_t count) {
     const uint8_t *scramble_key = SECRET + sizeof SECRET - STRIPE;
     const __m256i prime = _mm256_set1_epi32((int)PRIME32_1);
     __m256i acc[2] = {_mm256_loadu_si256((const __m256i *)st->acc), _mm256_loadu_si256((const __m256i *)(st->acc + 4))};
-    for (size_t k = 0; k < count; k++, p += STRIPE) {
-        size_t in_block = st->done++ % STRIPES_PER_BLOCK;
-        const uint8_t *key = SECRET + 8 * in_block;
-        for (int h = 0; h < 2; h++) {
-            __m256i data = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
-            __m256i keyed = _mm256_xor_si256(data, _mm256_loadu_si256((const __m256i *)(key + 32 * h)));
-            __m256i product = _mm256_mul_epu32(keyed, _mm256_srli_epi64(keyed, 32));
-            __m256i swapped = _mm256_shuffle_epi32(data, _MM_SHUFFLE(1, 0, 3, 2));
-            acc[h] = _mm256_add_epi64(acc[h], _mm256_add_epi64(product, swapped));
+    while (count) {
+        /* the stripes left in this block, folded by a loop with only local counters (the
+         * compiler keeps everything in registers and unrolls it), then the block's scramble */
+        size_t in_block = st->done % STRIPES_PER_BLOCK;
+        size_t run = STRIPES_PER_BLOCK - in_block < count ? STRIPES_PER_BLOCK - in_block : count;
+        const uint8_t *key = STRIPE_KEYS[in_block];
+        for (size_t k = 0; k < run; k++, p += STRIPE, key += STRIPE) {
+            _mm_prefetch((const char *)p + PREFETCH_AHEAD, _MM_HINT_T0);
+            for (int h = 0; h < 2; h++) {
+                __m256i data = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
+                __m256i keyed = _mm256_xor_si256(data, _mm256_load_si256((const __m256i *)(key + 32 * h)));
+                __m256i product = _mm256_mul_epu32(keyed, _mm256_srli_epi64(keyed, 32));
+                __m256i swapped = _mm256_shuffle_epi32(data, _MM_SHUFFLE(1, 0, 3, 2));
+                acc[h] = _mm256_add_epi64(acc[h], _mm256_add_epi64(product, swapped));
+            }
         }
-        if (in_block != STRIPES_PER_BLOCK - 1) continue;
+        st->done += run;
+        count -= run;
+        if (in_block + run != STRIPES_PER_BLOCK) continue;
         for (int h = 0; h < 2; h++) {
             __m256i a = _mm256_xor_si256(acc[h], _mm256_srli_epi64(acc[h], 47));
             a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i *)(scramble_key + 32 * h)));
@@ -136,21 +165,57 @@ AVX2 static void fold_avx2(state *st, const uint8_t *p, size_t count) {
     _mm256_storeu_si256((__m256i *)(st->acc + 4), acc[1]);
 }
 
-static int use_avx2 = -1; /* -1: not yet asked of the CPU */
+#define AVX512 __attribute__((target("avx512f")))
 
-static int avx2_on(void) {
-    if (use_avx2 < 0) use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-    return use_avx2;
+/* The same with one 512-bit register for all 8 accumulators: a stripe is one load. */
+AVX512 static void fold_avx512(state *st, const uint8_t *p, size_t count) {
+    const __m512i prime = _mm512_set1_epi32((int)PRIME32_1);
+    const __m512i scramble_key = _mm512_loadu_si512((const void *)(SECRET + sizeof SECRET - STRIPE));
+    __m512i acc = _mm512_loadu_si512((const void *)st->acc);
+    while (count) {
+        size_t in_block = st->done % STRIPES_PER_BLOCK;
+        size_t run = STRIPES_PER_BLOCK - in_block < count ? STRIPES_PER_BLOCK - in_block : count;
+        const uint8_t *key = STRIPE_KEYS[in_block];
+        for (size_t k = 0; k < run; k++, p += STRIPE, key += STRIPE) {
+            _mm_prefetch((const char *)p + PREFETCH_AHEAD, _MM_HINT_T0);
+            __m512i data = _mm512_loadu_si512((const void *)p);
+            __m512i keyed = _mm512_xor_si512(data, _mm512_load_si512((const void *)key));
+            __m512i product = _mm512_mul_epu32(keyed, _mm512_srli_epi64(keyed, 32));
+            __m512i swapped = _mm512_shuffle_epi32(data, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
+            acc = _mm512_add_epi64(acc, _mm512_add_epi64(product, swapped));
+        }
+        st->done += run;
+        count -= run;
+        if (in_block + run != STRIPES_PER_BLOCK) continue;
+        __m512i a = _mm512_xor_si512(_mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47)), scramble_key);
+        __m512i low = _mm512_mul_epu32(a, prime);
+        __m512i high = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
+        acc = _mm512_add_epi64(low, _mm512_slli_epi64(high, 32));
+    }
+    _mm512_storeu_si512((void *)st->acc, acc);
+}
+
+static int has_avx2(void) { return __builtin_cpu_supports("avx2"); }
+
+static int best_loop(void) {
+    return __builtin_cpu_supports("avx512f") ? LOOP_AVX512 : has_avx2() ? LOOP_AVX2 : LOOP_PORTABLE;
 }
 
 static void fold_run(state *st, const uint8_t *p, size_t count) {
-    if (avx2_on())
+    switch (current_loop()) {
+    case LOOP_AVX512:
+        fold_avx512(st, p, count);
+        break;
+    case LOOP_AVX2:
         fold_avx2(st, p, count);
-    else
+        break;
+    default:
         fold_scalar(st, p, count);
+    }
 }
 #else
-static int avx2_on(void) { return 0; }
+static int has_avx2(void) { return 0; }
+static int best_loop(void) { return LOOP_PORTABLE; }
 #define fold_run fold_scalar
 #endif
 
@@ -354,16 +419,33 @@ static PyObject *pread_xxh3(PyObject *self, PyObject *args) {
     return Py_BuildValue("(nK)", (Py_ssize_t)got, (unsigned long long)digest);
 }
 
-/* For the tests: run the portable loop even where AVX2 is there (scalar=True), or not. */
-static PyObject *set_scalar(PyObject *self, PyObject *arg) {
+/* For the tests: hash with the named loop ("best": the CPU's best); returns the name of the
+ * loop in use before. ValueError for a name this CPU cannot run. */
+static PyObject *set_loop(PyObject *self, PyObject *arg) {
     (void)self;
-    int scalar = PyObject_IsTrue(arg);
-    if (scalar < 0) return NULL;
-    int before = !avx2_on();
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    use_avx2 = scalar ? 0 : __builtin_cpu_supports("avx2") ? 1 : 0;
-#endif
-    return PyBool_FromLong(before);
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    if (name == NULL) return PyErr_Format(PyExc_TypeError, "set_loop needs a loop name, got %R", arg);
+    int want = strcmp(name, "best") == 0 ? best_loop() : -1;
+    for (int i = 0; want < 0 && i <= best_loop(); i++)
+        if (strcmp(name, LOOP_NAMES[i]) == 0) want = i;
+    if (want < 0 || (want == LOOP_AVX2 && !has_avx2()))
+        return PyErr_Format(PyExc_ValueError, "xxh3 loop %R is unknown or not supported by this CPU", arg);
+    int before = current_loop();
+    loop = want;
+    return PyUnicode_FromString(LOOP_NAMES[before]);
+}
+
+/* The loops this CPU can run, best last. */
+static PyObject *loops(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out != NULL && i <= best_loop(); i++) {
+        if (i == LOOP_AVX2 && !has_avx2()) continue;
+        PyObject *name = PyUnicode_FromString(LOOP_NAMES[i]);
+        if (name == NULL || PyList_Append(out, name) < 0) Py_CLEAR(out);
+        Py_XDECREF(name);
+    }
+    return out;
 }
 
 static PyMethodDef methods[] = {
@@ -375,12 +457,16 @@ static PyMethodDef methods[] = {
      "writable buffers `pieces`, in order and without the GIL, and return the bytes read with the XXH3-64 "
      "of prefix + pieces, computed as each window of bytes lands; the hash is None after a short read or "
      "when prefix + pieces is 240 bytes or shorter. OSError for a failed read."},
-    {"set_scalar", set_scalar, METH_O,
-     "set_scalar(flag) -> bool\n\nFor tests: hash with the portable loop (True) or the CPU's best "
-     "(False); returns whether the portable loop was in use before."},
+    {"set_loop", set_loop, METH_O,
+     "set_loop(name) -> str\n\nFor tests: hash with the named stripe loop ('portable', 'avx2', 'avx512' or "
+     "'best'); returns the name of the loop in use before. ValueError for one this CPU cannot run."},
+    {"loops", loops, METH_NOARGS, "loops() -> list[str]\n\nThe stripe loops this CPU can run, best last."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_xxh3", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__xxh3(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__xxh3(void) {
+    make_stripe_keys();
+    return PyModule_Create(&module);
+}

@@ -38,13 +38,18 @@ def test_extension_is_built() -> None:
     assert _xxh3 is not None, "hicache.storage._xxh3 is not built: pip install -e . (or make setup) builds it"
 
 
-@pytest.fixture(params=[False, True], ids=["best", "portable"])
-def loop(request: pytest.FixtureRequest) -> Iterator[bool]:
+LOOPS = ["portable", "avx2", "avx512"]
+
+
+@pytest.fixture(params=LOOPS)
+def loop(request: pytest.FixtureRequest) -> Iterator[str]:
     if _xxh3 is None:
         pytest.skip("hicache.storage._xxh3 is not built")
-    before = _xxh3.set_scalar(request.param)
+    if request.param not in _xxh3.loops():
+        pytest.skip(f"this CPU cannot run the {request.param} loop")
+    before = _xxh3.set_loop(request.param)
     yield request.param
-    _xxh3.set_scalar(before)
+    _xxh3.set_loop(before)
 
 
 def cut(data: bytes, rng: random.Random, pieces: int) -> list[bytes]:
@@ -57,7 +62,7 @@ LENGTHS = [241, 242, 255, 256, 257, 319, 320, 321, 1023, 1024, 1025, 1088, 2047,
 
 
 @pytest.mark.parametrize("length", LENGTHS)
-def test_equals_python_xxhash_whole_and_cut(loop: bool, length: int) -> None:
+def test_equals_python_xxhash_whole_and_cut(loop: str, length: int) -> None:
     rng = random.Random(length)
     data = rng.randbytes(length)
     want = xxhash.xxh3_64_intdigest(data)
@@ -73,15 +78,15 @@ def test_any_cut_of_any_long_input(data: bytes, cuts: list[int]) -> None:
     points = sorted(c % (len(data) + 1) for c in cuts)
     parts = [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
     want = xxhash.xxh3_64_intdigest(data)
-    for scalar in (False, True):
-        before = _xxh3.set_scalar(scalar)
+    for name in _xxh3.loops():
+        before = _xxh3.set_loop(name)
         try:
-            assert _xxh3.xxh3_64_long(parts) == want
+            assert _xxh3.xxh3_64_long(parts) == want, name
         finally:
-            _xxh3.set_scalar(before)
+            _xxh3.set_loop(before)
 
 
-def test_buffers_of_any_kind_count_by_bytes(loop: bool) -> None:
+def test_buffers_of_any_kind_count_by_bytes(loop: str) -> None:
     data = np.random.default_rng(3).integers(0, 255, 5000, dtype=np.uint8)
     raw = data.tobytes()
     parts = [memoryview(raw)[:100], bytearray(raw[100:2000]), data[2000:].view(np.uint32)]
@@ -138,7 +143,7 @@ def written(tmp_path: Path, data: bytes) -> int:
     ids=["one-piece-of-3-windows", "18-pieces", "200-tiny-pieces", "empty-pieces", "prefix-holds-the-tail"],
 )
 def test_pread_xxh3_reads_the_pieces_and_hashes_prefix_and_pieces(
-    loop: bool, tmp_path: Path, key_bytes: int, sizes: list[int]
+    loop: str, tmp_path: Path, key_bytes: int, sizes: list[int]
 ) -> None:
     rng = random.Random(sum(sizes))
     prefix = [rng.randbytes(40), rng.randbytes(key_bytes)]
