@@ -42,13 +42,13 @@ def gbps(fn: Callable[[bytes], object], pages: list[bytes], repeat: int) -> floa
     return len(pages[0]) / statistics.median(times) / 1e9
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--page-bytes", type=int, default=1474560, help="default: a MiMo-V2-Flash full-attention page")
     p.add_argument("--pages", type=int, default=200, help="distinct pages for the cold figures")
     p.add_argument("--repeat", type=int, default=300)
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if _xxh3 is None:
         sys.exit("hicache.storage._xxh3 is not built (pip install -e . builds it)")
     cold = [os.urandom(args.page_bytes) for _ in range(args.pages)]
