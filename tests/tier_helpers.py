@@ -94,15 +94,20 @@ class RedisServer:
             self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def _ready(self) -> bool:
+        """Whether our server answers: the process on the address is ours (its process_id),
+        not another test's server that held the port first."""
+        assert self.proc is not None
         try:
-            if self.unix:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(str(self.sock))
-                    s.sendall(b"PING\r\n")
-                    return s.recv(16).startswith(b"+PONG")
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+            with socket.socket(socket.AF_UNIX) if self.unix else socket.socket() as s:
+                s.settimeout(1)
+                s.connect(str(self.sock) if self.unix else ("127.0.0.1", self.port))
+                s.sendall(b"INFO server\r\n")
+                with s.makefile("rb") as reply:
+                    head = reply.readline()  # a bulk string: $<length>, or an error before the server is up
+                    if not head.startswith(b"$"):
+                        return False
+                    body = reply.read(int(head[1:]))
+                return f"process_id:{self.proc.pid}\r\n".encode() in body
         except OSError:
             return False
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -268,12 +269,22 @@ class LazyThreads:
     """A pool of `count` threads made on first use, and made again in a forked child: threads
     do not survive fork, and the parent's pool would queue the child's work forever."""
 
+    _all: weakref.WeakSet[LazyThreads] = weakref.WeakSet()
+
     def __init__(self, count: int, name: str):
         self.count = count
         self._name = name
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pid = 0  # the process that made _pool
+        LazyThreads._all.add(self)
+
+    @classmethod
+    def forget_after_fork(cls) -> None:
+        """In a forked child: a parent thread may have held a lock at the fork; start afresh."""
+        for threads in list(cls._all):
+            threads._lock = threading.Lock()
+            threads._pool = None
 
     def get(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -288,3 +299,7 @@ class LazyThreads:
             pool, self._pool = self._pool, None
         if pool is not None and self._pid == os.getpid():
             pool.shutdown(wait=True)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=LazyThreads.forget_after_fork)

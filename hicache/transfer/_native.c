@@ -127,9 +127,10 @@ static void copy_all(char *dst, const char *src, const CopyDesc *descs, Py_ssize
         Py_ssize_t last = first + group < n ? first + group : n;
         int64_t rows = 0, span = 0; /* span: the bytes a row of the group reads */
         for (Py_ssize_t i = first; i < last; i++) {
-            if (descs[i].row_bytes > 0 && descs[i].rows > rows)
-                rows = descs[i].rows;
-            span += descs[i].row_bytes;
+            if (descs[i].row_bytes > 0 && descs[i].rows > 0) { /* checked: within the buffers */
+                rows = descs[i].rows > rows ? descs[i].rows : rows;
+                span += descs[i].row_bytes;
+            }
         }
         for (int64_t r = 0; r < rows; r++) {
             for (Py_ssize_t i = first; i < last; i++) {
@@ -433,7 +434,11 @@ static PyObject *copy_shares(PyObject *self, PyObject *args) {
 static CopyDesc *page_descs(const CopyDesc *tpl, const int64_t *src_step, const int64_t *dst_step, Py_ssize_t k,
                             Py_ssize_t layers, const int64_t *src_pages, const int64_t *dst_pages, Py_ssize_t n,
                             int64_t dst_size, int64_t src_size) {
-    Py_ssize_t buffers = k / layers, total = k * n;
+    Py_ssize_t buffers = k / layers, total;
+    if (__builtin_mul_overflow(k, n, &total) || (size_t)total > PY_SSIZE_T_MAX / sizeof(CopyDesc)) {
+        PyErr_NoMemory();
+        return NULL;
+    }
     CopyDesc *descs = PyMem_Malloc(total > 0 ? (size_t)total * sizeof(CopyDesc) : 1);
     if (descs == NULL) {
         PyErr_NoMemory();
@@ -494,7 +499,7 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
         if (get_int64s(objs[got], &views[got], got == 0 ? DESC_FIELDS : 0, names[got]) < 0)
             goto done;
     Py_ssize_t k = views[0].shape[0], n = views[3].shape[0];
-    if (layers < 1 || k % layers != 0 || views[1].shape[0] != k || views[2].shape[0] != k || views[4].shape[0] != n) {
+    if (layers < 1 || k < layers || k % layers != 0 || views[1].shape[0] != k || views[2].shape[0] != k || views[4].shape[0] != n) {
         PyErr_Format(PyExc_ValueError,
                      "need a template of buffers x %zd layers rows with a page step each, and as many destination "
                      "as source pages; got %zd rows, %zd and %zd steps, %zd and %zd pages",

@@ -280,7 +280,7 @@ class TransferEngine:
         """Every layer in one C call from this thread (its first share here, the others on
         the copy crew), each share publishing into its word."""
         nbytes = plan.num_pages * self.geometry.page_bytes_for(len(plan.layers))
-        if self._shares_for(nbytes, len(words)) == 1:  # one thread's work: no descriptors in Python
+        if nbytes < native.SMALL_BYTES and self._shares_for(nbytes, len(words)) == 1:  # no descriptors in Python
             self._publish_spares(words, 1, len(plan.layers))
             native.copy_small(src, dst, plan, plan.layers, words.addresses[0])
             return

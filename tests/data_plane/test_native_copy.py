@@ -316,6 +316,9 @@ def test_copy_small_refuses_a_page_outside_either_pool_before_copying_anything()
         native._native.copy_pages(*args, np.array([0, 1]), np.array([0]), 2, False, 0)
     with pytest.raises(ValueError, match="buffers x 3 layers rows"):
         native._native.copy_pages(*args, np.array([0]), np.array([0]), 3, False, 0)
+    none = np.zeros(0, dtype=np.int64)
+    with pytest.raises(ValueError, match=f"buffers x {2**61} layers rows"):  # no rows to hold them: refused, not run
+        native._native.copy_pages(*args[:4], np.zeros((0, 6), dtype=np.int64), none, none, none, none, 2**61, False, 0)
     with pytest.raises(ValueError, match="not C-contiguous"):
         native._native.copy_pages(*args, np.array([0, 1, 2, 3])[::2], np.array([0, 1]), 2, False, 0)
     assert torch.equal(dst.flat, before)

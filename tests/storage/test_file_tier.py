@@ -4,6 +4,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -234,8 +235,9 @@ def test_batch_read_into_on_several_threads_lands_each_page_in_its_own_pieces(tm
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_reads_on_reader_threads_of_its_own(tmp_path):
-    """The parent's reader threads are not copied by fork: the child's batch_read_into must
-    start its own rather than queue work for threads that are not there (a hang)."""
+    """The parent's reader threads are not copied by fork, nor is a parent thread that held
+    the pool's lock at the fork: the child's batch_read_into must start threads of its own
+    rather than queue work for threads that are not there, or wait on that lock (hangs)."""
     g = GEOMETRIES["mimo_kv"]
     tier = FileTier(identity(g), tmp_path, read_threads=4)
     for i in range(4):
@@ -249,7 +251,21 @@ def test_a_forked_child_reads_on_reader_threads_of_its_own(tmp_path):
         tier.close()
         return found == 4 and all(bytes(fresh[i]) == payload(g, 3 - i) for i in range(4))
 
-    assert in_forked_child(child)
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:  # a parent thread inside the pool's lock at the fork
+        with tier._readers._lock:
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    held.wait(10)
+    try:
+        assert in_forked_child(child)
+    finally:
+        release.set()
+        thread.join(10)
     tier.close()
 
 

@@ -121,3 +121,24 @@ def test_the_test_redis_server_moves_off_a_port_taken_before_its_first_start(tmp
                 assert client.ping()
         finally:
             server.stop()
+
+
+def test_the_test_redis_server_is_not_fooled_by_another_server_on_its_port(tmp_path):
+    """A port another test's redis-server already holds answers PING, but not as ours: the
+    new server still moves to a port of its own."""
+    first = RedisServer(tmp_path / "a")
+    (tmp_path / "a").mkdir()
+    first.start()
+    try:
+        (tmp_path / "b").mkdir()
+        second = RedisServer(tmp_path / "b")
+        second.port, second.url = first.port, first.url
+        second.start()
+        try:
+            assert second.port != first.port
+            with second.client() as client:
+                assert client.info("server")["process_id"] == second.proc.pid
+        finally:
+            second.stop()
+    finally:
+        first.stop()
