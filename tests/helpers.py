@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import select
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -61,3 +63,24 @@ def in_forked_child(check: Callable[[], bool], timeout: float = 120.0) -> bool:
     finally:
         os.close(r)
         os.waitpid(pid, 0)
+
+
+@contextmanager
+def held_by_another_thread(lock: threading.Lock) -> Iterator[None]:
+    """Hold `lock` in another thread for the block: what a fork copies when a thread of the
+    parent is inside it (the thread itself is not copied)."""
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    held.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join(10)

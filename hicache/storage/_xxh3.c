@@ -127,6 +127,12 @@ static int current_loop(void) {
 #define AVX2 __attribute__((target("avx2")))
 #define PREFETCH_AHEAD 384 /* bytes: the input ahead of the stripe being folded (harmless past its end) */
 
+/* How many of `count` stripes are left in the current block, and where in it they start. */
+static inline size_t block_run(const state *st, size_t count, size_t *in_block) {
+    *in_block = st->done % STRIPES_PER_BLOCK;
+    return STRIPES_PER_BLOCK - *in_block < count ? STRIPES_PER_BLOCK - *in_block : count;
+}
+
 /* fold_scalar's steps four lanes at a time, the accumulators held in two registers: the
  * 32x32->64 product is vpmuludq of the keyed word and its upper half moved down, and
  * acc[i ^ 1] += data adds the data with its 64-bit lanes swapped in pairs. */
@@ -137,8 +143,7 @@ AVX2 static void fold_avx2(state *st, const uint8_t *p, size_t count) {
     while (count) {
         /* the stripes left in this block, folded by a loop with only local counters (the
          * compiler keeps everything in registers and unrolls it), then the block's scramble */
-        size_t in_block = st->done % STRIPES_PER_BLOCK;
-        size_t run = STRIPES_PER_BLOCK - in_block < count ? STRIPES_PER_BLOCK - in_block : count;
+        size_t in_block, run = block_run(st, count, &in_block);
         const uint8_t *key = STRIPE_KEYS[in_block];
         for (size_t k = 0; k < run; k++, p += STRIPE, key += STRIPE) {
             _mm_prefetch((const char *)p + PREFETCH_AHEAD, _MM_HINT_T0);
@@ -173,8 +178,7 @@ AVX512 static void fold_avx512(state *st, const uint8_t *p, size_t count) {
     const __m512i scramble_key = _mm512_loadu_si512((const void *)(SECRET + sizeof SECRET - STRIPE));
     __m512i acc = _mm512_loadu_si512((const void *)st->acc);
     while (count) {
-        size_t in_block = st->done % STRIPES_PER_BLOCK;
-        size_t run = STRIPES_PER_BLOCK - in_block < count ? STRIPES_PER_BLOCK - in_block : count;
+        size_t in_block, run = block_run(st, count, &in_block);
         const uint8_t *key = STRIPE_KEYS[in_block];
         for (size_t k = 0; k < run; k++, p += STRIPE, key += STRIPE) {
             _mm_prefetch((const char *)p + PREFETCH_AHEAD, _MM_HINT_T0);

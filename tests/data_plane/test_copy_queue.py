@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import threading
 import time
 import weakref
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_config
-from helpers import fill_random, in_forked_child
+from helpers import fill_random, held_by_another_thread, in_forked_child
 
 from hicache.geometry import KVGeometry
 from hicache.pools import DeviceKVPool, HostKVPool
@@ -177,26 +176,13 @@ def test_a_forked_child_is_not_held_by_the_parents_unfinished_transfers() -> Non
             register(lambda: False)  # never done in the parent either, while this test runs
         with pytest.raises(ValueError, match="unfinished"):
             engine.offload([0], [0])
-        held, release = threading.Event(), threading.Event()
 
-        def holder() -> None:
-            with registry._lock:
-                held.set()
-                release.wait(60)
+        def child() -> bool:
+            engine.offload([0, 1, 2, 3], [0, 1, 2, 3])
+            return all(raw_page(host, p) == raw_page(dev, p) for p in range(4))
 
-        thread = threading.Thread(target=holder)
-        thread.start()
-        held.wait(10)
-        try:
-
-            def child() -> bool:
-                engine.offload([0, 1, 2, 3], [0, 1, 2, 3])
-                return all(raw_page(host, p) == raw_page(dev, p) for p in range(4))
-
+        with held_by_another_thread(registry._lock):
             assert in_forked_child(child)
-        finally:
-            release.set()
-            thread.join(10)
 
 
 def raw_page(pool: DeviceKVPool | HostKVPool, page: int) -> bytes:

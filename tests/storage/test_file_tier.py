@@ -4,11 +4,10 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
-from helpers import in_forked_child
+from helpers import held_by_another_thread, in_forked_child
 from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, identity, key, payload
 
 from hicache.storage import page_format as fmt
@@ -251,21 +250,8 @@ def test_a_forked_child_reads_on_reader_threads_of_its_own(tmp_path):
         tier.close()
         return found == 4 and all(bytes(fresh[i]) == payload(g, 3 - i) for i in range(4))
 
-    held, release = threading.Event(), threading.Event()
-
-    def holder() -> None:  # a parent thread inside the pool's lock at the fork
-        with tier._readers._lock:
-            held.set()
-            release.wait(60)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    held.wait(10)
-    try:
+    with held_by_another_thread(tier._readers._lock):  # a parent thread inside the pool's lock at the fork
         assert in_forked_child(child)
-    finally:
-        release.set()
-        thread.join(10)
     tier.close()
 
 
