@@ -110,7 +110,7 @@ static void copy_row(char *d, const char *s, size_t n, int streaming) {
 /* Where a group's rows leave gaps in the source (a page_first page read one layer at a time:
  * a few KB of each token's row, then a jump), each source row is prefetched this many rows
  * ahead: the hardware prefetcher starts over after every jump. benchmarks/transfer.py,
- * page_first, 2-core VM: layer-wise over plain reload 1.53-1.63 -> 1.22-1.28. */
+ * page_first, 2-core VM, alternating runs: layer-wise over plain reload 1.52-1.56 -> 1.27-1.31. */
 #define PREFETCH_ROWS 4
 
 static void prefetch_row(const char *s, size_t n) {
@@ -499,7 +499,8 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
         if (get_int64s(objs[got], &views[got], got == 0 ? DESC_FIELDS : 0, names[got]) < 0)
             goto done;
     Py_ssize_t k = views[0].shape[0], n = views[3].shape[0];
-    if (layers < 1 || k < layers || k % layers != 0 || views[1].shape[0] != k || views[2].shape[0] != k || views[4].shape[0] != n) {
+    if (layers < 1 || k < layers || k % layers != 0 || views[1].shape[0] != k || views[2].shape[0] != k ||
+        views[4].shape[0] != n) {
         PyErr_Format(PyExc_ValueError,
                      "need a template of buffers x %zd layers rows with a page step each, and as many destination "
                      "as source pages; got %zd rows, %zd and %zd steps, %zd and %zd pages",

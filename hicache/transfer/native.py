@@ -136,8 +136,8 @@ def page_template(src: Layout, dst: Layout, page_size: int, layers: tuple[int, .
 
 
 def copy_small(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int], progress: int = 0) -> None:
-    """Copy a transfer below SHARE_MIN_BYTES (one thread's work) in the calling thread, in one
-    C call without the GIL: the cached page template moved to each page pair in C, layer by
+    """Copy a transfer of one share (below SHARE_MIN_BYTES, or below SMALL_BYTES with one copy
+    thread) in the calling thread, in one C call without the GIL: the cached page template moved to each page pair in C, layer by
     layer, each finished layer's count stored into the word at `progress` (0: none). No
     descriptors are built in Python. Raises ValueError (nothing copied) for a page outside
     either pool."""
