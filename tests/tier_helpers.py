@@ -62,8 +62,11 @@ class RedisServer:
         self.sock = tmp / "redis.sock"
         self.port = 0 if unix else free_port()
         self.proc: subprocess.Popen[bytes] | None = None
-        self.url = f"unix://{self.sock}" if unix else f"redis://127.0.0.1:{self.port}/0"
         self.started = False  # once started, the port never moves
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.sock}" if self.unix else f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         """Start the server. On its first start a TCP server whose port was taken meanwhile (it
@@ -91,7 +94,6 @@ class RedisServer:
             if not exited or self.unix or self.started or attempt == 2:
                 raise RuntimeError(f"redis-server did not start: {args}")
             self.port = free_port()
-            self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def _ready(self) -> bool:
         """Whether our server answers: the process on the address is ours (its process_id),

@@ -423,6 +423,9 @@ static PyObject *pread_xxh3(PyObject *self, PyObject *args) {
     return Py_BuildValue("(nK)", (Py_ssize_t)got, (unsigned long long)digest);
 }
 
+/* Whether this CPU can run loop i. */
+static int can_run(int i) { return i <= best_loop() && (i != LOOP_AVX2 || has_avx2()); }
+
 /* For the tests: hash with the named loop ("best": the CPU's best); returns the name of the
  * loop in use before. ValueError for a name this CPU cannot run. */
 static PyObject *set_loop(PyObject *self, PyObject *arg) {
@@ -430,9 +433,9 @@ static PyObject *set_loop(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
     if (name == NULL) return PyErr_Format(PyExc_TypeError, "set_loop needs a loop name, got %R", arg);
     int want = strcmp(name, "best") == 0 ? best_loop() : -1;
-    for (int i = 0; want < 0 && i <= best_loop(); i++)
+    for (int i = 0; want < 0 && i <= LOOP_AVX512; i++)
         if (strcmp(name, LOOP_NAMES[i]) == 0) want = i;
-    if (want < 0 || (want == LOOP_AVX2 && !has_avx2()))
+    if (want < 0 || !can_run(want))
         return PyErr_Format(PyExc_ValueError, "xxh3 loop %R is unknown or not supported by this CPU", arg);
     int before = current_loop();
     loop = want;
@@ -443,8 +446,8 @@ static PyObject *set_loop(PyObject *self, PyObject *arg) {
 static PyObject *loops(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     PyObject *out = PyList_New(0);
-    for (int i = 0; out != NULL && i <= best_loop(); i++) {
-        if (i == LOOP_AVX2 && !has_avx2()) continue;
+    for (int i = 0; out != NULL && i <= LOOP_AVX512; i++) {
+        if (!can_run(i)) continue;
         PyObject *name = PyUnicode_FromString(LOOP_NAMES[i]);
         if (name == NULL || PyList_Append(out, name) < 0) Py_CLEAR(out);
         Py_XDECREF(name);

@@ -132,7 +132,7 @@ def test_the_test_redis_server_is_not_fooled_by_another_server_on_its_port(tmp_p
     try:
         (tmp_path / "b").mkdir()
         second = RedisServer(tmp_path / "b")
-        second.port, second.url = first.port, first.url
+        second.port = first.port
         second.start()
         try:
             assert second.port != first.port
