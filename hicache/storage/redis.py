@@ -30,6 +30,30 @@ from hicache.storage.resp import Into, Parts
 HASH_THREADS = 2
 PARALLEL_HASH_BYTES = 1 << 20
 
+# Deletes KEYS[1] only while it still holds what a read found wrong there, so that a page
+# another sidecar stored in between is kept. ARGV[1] says what was found: "type" (a value
+# that is not a string), "length" (a string of ARGV[2] bytes) or "value" (the value ARGV[2],
+# sent back whole: only a full compare tells a damaged page from a fresh write of the same
+# page, whose header is the same; it happens only for a page that failed verification).
+DROP_UNCHANGED = """
+local found = redis.call('TYPE', KEYS[1])['ok']
+local same
+if ARGV[1] == 'type' then
+    same = found ~= 'string' and found ~= 'none'
+elseif found ~= 'string' then
+    same = false
+elseif ARGV[1] == 'length' then
+    same = redis.call('STRLEN', KEYS[1]) == tonumber(ARGV[2])
+else
+    same = redis.call('GET', KEYS[1]) == ARGV[2]
+end
+if same then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+Found = tuple[bytes, str, Any]  # (Redis key, what was found there, its length or value): see DROP_UNCHANGED
+
 
 def check_options(
     url: object,
@@ -133,22 +157,30 @@ class RedisTier(StorageTier):
         qkeys = [self.qualified(k) for k in keys]
         # STRLEN: 0 when absent; WRONGTYPE for a value that is not a string
         replies = self._link.run([("STRLEN", q) for q in qkeys])
-        out, bad = [], []
+        out: list[bool] = []
+        bad: list[Found] = []
         for key, q, n in zip(keys, qkeys, replies, strict=True):
-            wrong = _wrong_type(n) or (isinstance(n, int) and n not in (0, fmt.stored_size(self.identity, key)))
-            if wrong:  # what Reload would refuse: gone now, so that Lookup and Reload agree
-                bad.append(q)
-            out.append(not wrong and isinstance(n, int) and n > 0)
-        self._drop_corrupt(bad)
+            size = fmt.stored_size(self.identity, key)
+            # what Reload would refuse: gone now, so that Lookup and Reload agree
+            if _wrong_type(n):
+                bad.append((q, "type", ""))
+            elif isinstance(n, int) and n not in (0, size):
+                bad.append((q, "length", n))
+            out.append(isinstance(n, int) and n == size)
+        self._count(corrupt=len(bad))
+        self._drop_unchanged(bad)
         return out
 
-    def _drop_corrupt(self, qkeys: list[bytes]) -> None:
-        """Values under our page keys that are not pages (another type, another size): deleted,
-        counted corrupt."""
-        if qkeys:
-            self._link.run([("DEL", q) for q in qkeys])
-            self._count(corrupt=len(qkeys))
-            self._changed("removed", [q[len(self.prefix) :] for q in qkeys])
+    def _drop_unchanged(self, found: list[Found]) -> None:
+        """Delete what was found under our page keys that is not a page of ours (another type,
+        another size, a value that failed verification), each only while its key still holds
+        it (DROP_UNCHANGED): a page stored since by another sidecar is kept."""
+        if not found:
+            return
+        replies = self._link.run([("EVAL", DROP_UNCHANGED, 1, q, what, seen) for q, what, seen in found])
+        self._note_errors(replies, "deletes")
+        gone = [q for (q, _, _), removed in zip(found, replies, strict=True) if removed == 1]
+        self._changed("removed", [q[len(self.prefix) :] for q in gone])
 
     def get(self, key: bytes) -> memoryview | None:
         return self.batch_get([key])[0]
@@ -197,15 +229,15 @@ class RedisTier(StorageTier):
         blobs = self._link.run([(*read, q, *tail) for q in qkeys], into)
         self._note_errors(blobs, "reads")
         out: list[memoryview | None] = []
-        wrong = []
+        wrong: list[Found] = []
         for key, q, blob in zip(keys, qkeys, blobs, strict=True):
             if _wrong_type(blob):
-                wrong.append(q)
+                wrong.append((q, "type", ""))
                 out.append(None)
             else:
                 out.append(self._decode(key, None if isinstance(blob, Exception) else blob))
-        self._drop_corrupt(wrong)
-        self._count(misses=len(wrong))
+        self._count(misses=len(wrong), corrupt=len(wrong))
+        self._drop_unchanged(wrong)
         return out
 
     def _decode(self, key: bytes, blob: Buffer | None) -> memoryview | None:
@@ -219,9 +251,8 @@ class RedisTier(StorageTier):
                 self._error(str(e))
                 self._count(misses=1)
                 return None
-            self._link.run([("DEL", self.prefix + key)])
             self._count(misses=1, **{e.reason: 1})
-            self._changed("removed", [key])
+            self._drop_unchanged([(self.prefix + key, "value", blob)])
             return None
         self._count(hits=1, bytes_read=payload.nbytes)
         return payload

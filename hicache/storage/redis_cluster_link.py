@@ -12,14 +12,16 @@ a wrong page.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from typing import Any
 from urllib.parse import urlsplit
 
-from hicache.storage.base import TierHealth
-from hicache.storage.redis_link import Backoff, Command, down_errors, redis_errors
+from hicache.storage.base import LazyThreads, TierHealth
+from hicache.storage.redis_link import Backoff, Command, command_key, down_errors, redis_errors
 from hicache.storage.resp import Into, Wires
 
 REFRESH_EVERY_S = 0.25  # the most often the slot map is asked for again
@@ -44,6 +46,8 @@ class ClusterLink:
     """The cluster that the startup nodes in `url` belong to. Connects lazily: an unreachable
     cluster makes the link unhealthy, not the constructor fail."""
 
+    _all: weakref.WeakSet[ClusterLink] = weakref.WeakSet()
+
     def __init__(
         self,
         url: str | Sequence[str],
@@ -62,8 +66,19 @@ class ClusterLink:
         self._nodes: dict[str, Backoff] = {}  # host:port -> its health, for every node that ever failed
         self._refreshed_at = -REFRESH_EVERY_S
         self._refreshing = threading.Lock()
-        self._senders = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hicache-redis-node")
+        self._senders = LazyThreads(8, "hicache-redis-node")  # made again in a forked child
         self._node_wires: dict[str, Wires] = {}  # host:port -> connections of the data path
+        ClusterLink._all.add(self)
+
+    @classmethod
+    def forget_after_fork(cls) -> None:
+        """In a forked child: new locks (a parent thread may have held one at the fork), and
+        no connection of the parent's: each node's are dropped without shutdown()."""
+        for link in list(cls._all):
+            link._lock, link._refreshing = threading.Lock(), threading.Lock()
+            inherited, link._node_wires = list(link._node_wires.values()), {}
+            for wires in inherited:
+                wires.forget_inherited()
 
     # ---- topology -----------------------------------------------------------------------------
     def _cluster(self) -> Any:
@@ -139,7 +154,7 @@ class ClusterLink:
         stale = False
         for i, command in enumerate(commands):
             try:
-                node = client.nodes_manager.get_node_from_slot(key_slot(command[1]))
+                node = client.nodes_manager.get_node_from_slot(key_slot(command_key(command)))
             except redis_errors() as exc:  # a slot no master serves (SlotNotCoveredError, mid-failover)
                 replies[i], stale = exc, True
                 continue
@@ -148,12 +163,16 @@ class ClusterLink:
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(i)
         stale |= self._send(client, by_node, commands, replies, asking=False, into=into)
+        sent_to = {i: node for node, idx in by_node.values() for i in idx}
         # follow each redirect once: to the node named, after ASKING for an ASK
         redirected: dict[str, tuple[Any, list[int]]] = {}
         asked: dict[str, tuple[Any, list[int]]] = {}
         for i, reply in enumerate(replies):
             if isinstance(reply, AskError):
-                node = client.nodes_manager.get_node(reply.host, reply.port) or _node(reply.host, reply.port)
+                # no host ("MOVED 3999 :7001", from a node with an unknown endpoint): the
+                # host of the node that sent the redirect, as redis-py does
+                host = reply.host or sent_to[i].host
+                node = client.nodes_manager.get_node(host, reply.port) or _node(host, reply.port)
                 (redirected if isinstance(reply, MovedError) else asked).setdefault(node.name, (node, []))[1].append(i)
                 stale |= isinstance(reply, MovedError)
         if stale:
@@ -187,7 +206,8 @@ class ClusterLink:
 
         if len(jobs) == 1:
             return one(*jobs[0])
-        futures = [self._senders.submit(one, node, idx) for node, idx in jobs]
+        senders = self._senders.get()
+        futures = [senders.submit(one, node, idx) for node, idx in jobs]
         wait(futures)  # every node done before returning: replies land in the caller's buffers
         return any([f.result() for f in futures])
 
@@ -270,7 +290,7 @@ class ClusterLink:
             return sorted(name for name, b in self._nodes.items() if not b.healthy)
 
     def close(self) -> None:
-        self._senders.shutdown(wait=True)
+        self._senders.close()
         with self._lock:
             client, self._client = self._client, None
             wires, self._node_wires = list(self._node_wires.values()), {}
@@ -294,3 +314,7 @@ def _node(host: str, port: int) -> Any:
     from redis.cluster import ClusterNode
 
     return ClusterNode(host, port)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=ClusterLink.forget_after_fork)

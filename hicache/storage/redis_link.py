@@ -14,7 +14,9 @@ from typing import Any, Protocol
 from hicache.storage.base import TierHealth
 from hicache.storage.resp import Into, Wires
 
-Command = tuple[Any, ...]  # ("GET", key), ("SET", key, value, "PX", ms), ...: the key is always second
+# ("GET", key), ("SET", key, value, "PX", ms), ...: the key is second, but for a script's
+# ("EVAL", script, 1, key, arg, ...), whose one key is fourth (see command_key)
+Command = tuple[Any, ...]
 
 
 class Backoff:
@@ -66,6 +68,11 @@ class Link(Protocol):
         """host:port of each server that is down now."""
 
     def close(self) -> None: ...
+
+
+def command_key(command: Command) -> Any:
+    """The one key `command` touches: where a cluster sends it."""
+    return command[3] if command[0] in ("EVAL", "EVALSHA") else command[1]
 
 
 def down_errors() -> tuple[type[Exception], ...]:

@@ -17,10 +17,12 @@ the server cannot serve (LOADING, NOAUTH, ...).
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import ssl
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +33,7 @@ Into = Callable[[int, int], memoryview | None]  # (command index, bulk length) -
 SEND_APART = 16 << 10  # a value piece at least this long is sent as its own buffer, not copied
 SEND_GATHER = 64  # buffers per sendmsg (IOV_MAX is 1024 on Linux)
 READ_BYTES = 64 << 10  # the reply reader's buffer (status lines, small replies, headers)
+MAX_BULK_BYTES = 512 << 20  # the longest bulk reply taken: Redis's own proto-max-bulk-len default
 
 
 class Parts(tuple[Buffer, ...]):
@@ -109,7 +112,10 @@ def error_reply(message: str) -> Exception:
     if message.startswith("ERR max number of clients reached"):
         return rx.MaxClientsReachedError(message)
     cls, text = by_code.get(code, (rx.ResponseError, message))
-    return cls(text)
+    try:
+        return cls(text)
+    except ValueError:  # a MOVED or ASK without "<slot> <host>:<port>": no redirect to follow
+        return rx.ResponseError(message)
 
 
 class Reader:
@@ -133,7 +139,7 @@ class Reader:
             for _ in range(_count(rest) * (2 if kind == b"|" else 1)):
                 self.reply()
         if kind == b"$":
-            size = _count(rest)
+            size = _length(rest)
             if size < 0:
                 return None
             dest = into(size) if into is not None else None
@@ -160,7 +166,7 @@ class Reader:
             except ValueError:
                 raise _protocol_error(f"bad double {rest[:40]!r}") from None
         if kind in (b"!", b"="):  # blob error, verbatim string ("txt:..."): length-prefixed
-            body = memoryview(bytearray(max(0, _count(rest))))
+            body = memoryview(bytearray(max(0, _length(rest))))
             self._exact(body)
             self._crlf()
             text = bytes(body)
@@ -221,6 +227,15 @@ def _count(text: bytes) -> int:
         raise _protocol_error(f"bad number {text[:40]!r}") from None
 
 
+def _length(text: bytes) -> int:
+    """A bulk reply's length (-1 for nil); InvalidResponse above MAX_BULK_BYTES, which no
+    server sends (it would not fit in memory here)."""
+    size = _count(text)
+    if size > MAX_BULK_BYTES:
+        raise _protocol_error(f"a bulk reply of {size} bytes, over the {MAX_BULK_BYTES} taken")
+    return size
+
+
 def _protocol_error(detail: str) -> Exception:
     from redis.exceptions import InvalidResponse
 
@@ -257,17 +272,46 @@ class _Wire:
     def close(self) -> None:
         self.conn.disconnect()
 
+    def forget(self) -> None:
+        """Close this process's descriptor of a connection inherited through fork, without
+        shutdown(): that would end the connection for the parent too."""
+        self.sock.close()
+
 
 class Wires:
     """Connections to the server of a redis-py client (redis.Redis), reused between calls,
     one per concurrent caller. They are made with the client pool's connection class and
-    arguments, outside its count (max_connections does not apply). Thread-safe."""
+    arguments, outside its count (max_connections does not apply). Thread-safe. A forked
+    child never uses the parent's connections: the server would answer both on one socket."""
+
+    _all: weakref.WeakSet[Wires] = weakref.WeakSet()
 
     def __init__(self, client: Any):
         self.client = client
         self._idle: list[_Wire] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()  # the process whose connections _idle holds
+        Wires._all.add(self)
+
+    @classmethod
+    def forget_after_fork(cls) -> None:
+        """In a forked child: drop every inherited idle connection (the parent's) and start
+        with a new lock, as a parent thread may have held the old one at the fork."""
+        for wires in list(cls._all):
+            wires._lock = threading.Lock()
+            wires.forget_inherited()
+
+    def forget_inherited(self) -> None:
+        """Drop the idle connections if another process (the parent before a fork) made them."""
+        if self._pid == os.getpid():
+            return
+        with self._lock:
+            if self._pid == os.getpid():  # another thread of this process was first
+                return
+            inherited, self._idle, self._pid = self._idle, [], os.getpid()
+        for wire in inherited:
+            wire.forget()
 
     def execute(self, commands: Sequence[Sequence[Any]], into: Into | None = None) -> list[Any]:
         """Send `commands` as one pipeline and return their replies in order; a bulk reply to
@@ -301,6 +345,7 @@ class Wires:
         return replies
 
     def _take(self) -> _Wire:
+        self.forget_inherited()
         while True:
             with self._lock:
                 wire = self._idle.pop() if self._idle else None
@@ -321,3 +366,7 @@ class Wires:
 
 def _bound(into: Into, i: int) -> Callable[[int], memoryview | None]:
     return lambda size: into(i, size)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=Wires.forget_after_fork)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import redis
-from helpers import eventually
+from helpers import eventually, held_by_another_thread, in_forked_child
 from tier_helpers import GEOMETRIES, RedisServer, identity, key, payload
 
 from hicache.demo.redis_cluster import LocalRedisCluster, _ephemeral_low, free_ports
@@ -260,6 +260,53 @@ def test_a_batch_waits_for_every_node_when_one_fails_at_once(
     assert [read[i] for i in range(first_miss)] == [p for _, p in pages[1 : 1 + first_miss]]
     tier.close()
     redis_cluster.flush()
+
+
+def test_a_forked_child_reads_a_batch_that_spans_every_master(redis_cluster: LocalRedisCluster) -> None:
+    """The batch runs on one thread per master: the child must make its own (the parent's
+    are not copied by fork), its own connections, and its own locks (a parent thread held one
+    at the fork)."""
+    tier = fast_tier(redis_cluster.url)
+    pages = [(key(i), payload(G, i)) for i in range(60)]
+    assert tier.batch_set(pages) == [True] * 60  # the parent's threads and connections exist
+    link: Any = tier._link
+
+    def child() -> bool:
+        got = tier.batch_get([k for k, _ in pages])
+        return [bytes(g) if g is not None else None for g in got] == [p for _, p in pages]
+
+    with held_by_another_thread(link._lock):
+        assert in_forked_child(child, timeout=60)
+    got = tier.batch_get([k for k, _ in pages])
+    assert [bytes(g) if g is not None else None for g in got] == [p for _, p in pages]  # the parent's still work
+    tier.close()
+    redis_cluster.flush()
+
+
+def test_a_redirect_without_a_host_goes_to_the_host_that_sent_it(tmp_path: Path) -> None:
+    """A node whose endpoint is unknown (cluster-preferred-endpoint-type unknown-endpoint)
+    redirects with a port only ("MOVED 3999 :7001"): the tier follows it to the host it sent
+    the command to, and no phantom node ":7001" is reported down."""
+    from redis.crc import key_slot
+
+    with LocalRedisCluster(tmp_path / "cluster", masters=3, replicas=0) as cluster:
+        for port in cluster.master_ports():
+            with redis.Redis(port=port) as node:
+                node.config_set("cluster-preferred-endpoint-type", "unknown-endpoint")
+        tier = fast_tier(cluster.urls)
+        assert tier.set(key(1), payload(G, 1))
+        link: Any = tier._link
+        manager = link._cluster().nodes_manager
+        slot = key_slot(tier.qualified(key(1)))
+        owner = manager.slots_cache[slot][0]
+        other = next(n for n in manager.nodes_cache.values() if n.name != owner.name)
+        manager.slots_cache[slot] = [other]  # a stale slot map, as after a resharding
+        with redis.Redis(port=other.port) as node, pytest.raises(redis.ResponseError, match=r"^\d+ :\d+$"):
+            node.get(tier.qualified(key(1)))  # the redirect names no host
+        got = tier.get(key(1))
+        assert got is not None and bytes(got) == payload(G, 1)
+        assert tier.nodes_down() == [] and not [name for name in link._nodes if name.startswith(":")]
+        tier.close()
 
 
 def test_the_local_cluster_starts_when_a_port_is_taken_after_it_was_picked(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ connections set up for the wire."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from helpers import eventually
+from helpers import eventually, held_by_another_thread, in_forked_child
 from redis import exceptions as rx
 from tier_helpers import GEOMETRIES, free_port, identity, key, payload
 
@@ -58,6 +59,14 @@ def test_error_replies_become_redis_py_exceptions(message, cls, text):
     assert type(exc) is cls and str(exc) == text
     if cls is rx.AskError:
         assert exc.slot_id == 3999 and exc.node_addr == ("127.0.0.1", 6381)
+
+
+@pytest.mark.parametrize("message", ["MOVED oops", "ASK 12", "MOVED 12 nohost", "ASK x 127.0.0.1:7000", "MOVED"])
+def test_a_malformed_redirect_is_a_plain_error_reply(message):
+    """redis-py's MovedError and AskError parse "<slot> <host>:<port>" and raise ValueError
+    for anything else: that must not escape the reader."""
+    exc = error_reply(message)
+    assert type(exc) is rx.ResponseError and str(exc) == message
 
 
 @pytest.fixture
@@ -210,6 +219,9 @@ def test_a_server_that_stops_answering_raises_timeout_error():
         (b"-NOAUTH Authentication required.\r\n", rx.AuthenticationError),
         (b"$3\r\nabcXY", rx.InvalidResponse),  # no CRLF after the bulk string
         (b":12a\r\n", rx.InvalidResponse),  # not a number
+        (b"$99999999999999999999\r\n", rx.InvalidResponse),  # a length no buffer can have
+        (b"$999999999999\r\n", rx.InvalidResponse),  # 1 TB: over Redis's proto-max-bulk-len
+        (b"!99999999999999999999\r\n", rx.InvalidResponse),  # a RESP3 blob error as long
     ],
 )
 def test_replies_that_fail_the_whole_batch_close_the_connection(answer, error):
@@ -219,6 +231,48 @@ def test_replies_that_fail_the_whole_batch_close_the_connection(answer, error):
         wires.execute([("SET", b"a", b"1"), ("GET", b"a")])
     assert wires._idle == []  # not reused: what follows on it is unknown
     server.close()
+
+
+@pytest.mark.parametrize("answer", [b"$99999999999999999999\r\n", b"$999999999999\r\n", b"-MOVED oops\r\n"])
+def test_a_tier_reading_a_reply_it_cannot_take_misses_and_does_not_raise(answer):
+    server = FakeServer(b"GET", answer)
+    tier = RedisTier(identity(GEOMETRIES["mimo_kv"]), f"redis://127.0.0.1:{server.port}/0?protocol=2")
+    assert tier.get(key(0)) is None
+    stats = tier.stats()
+    assert stats.misses == 1 and stats.errors >= 1 and stats.last_error
+    tier.close()
+    server.close()
+
+
+def test_a_forked_child_makes_connections_of_its_own_and_leaves_the_parents_open(redis_server):
+    """A child that sent on the parent's idle connection would read the parent's replies (and
+    the parent the child's); one that shut it down would close it for the parent too."""
+    client = redis.Redis.from_url(redis_server.url)
+    wires = Wires(client)
+    (parent_id,) = wires.execute([("CLIENT", "ID")])
+
+    def child() -> bool:
+        (child_id,) = wires.execute([("CLIENT", "ID")])
+        return child_id != parent_id and all(w.sock.fileno() >= 0 for w in wires._idle)
+
+    assert in_forked_child(child)
+    assert wires.execute([("CLIENT", "ID")]) == [parent_id] and len(wires._idle) == 1  # the same one, still open
+    wires.close()
+    client.close()
+
+
+def test_a_forked_child_is_not_blocked_by_a_lock_a_parent_thread_held_at_the_fork(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    wires = Wires(client)
+    assert wires.execute([("PING",)]) == [b"PONG"]
+
+    def child() -> bool:
+        return wires.execute([("PING",)]) == [b"PONG"] and wires._pid == os.getpid()
+
+    with held_by_another_thread(wires._lock):
+        assert in_forked_child(child, timeout=60)
+    wires.close()
+    client.close()
 
 
 def test_resp3_push_messages_and_attributes_are_skipped(pair):
