@@ -66,6 +66,7 @@ class FetchMixin(WritePolicyMixin):
             )
             for k in fetch:
                 self._pending[k] = handle
+                self._begin_locked(k)
             self._n["prefetches"] += 1
             if fetch:
                 self._active[handle.id] = handle
@@ -133,6 +134,7 @@ class FetchMixin(WritePolicyMixin):
             fetch = fetch[: len(pages)]
             for k in fetch:
                 self._pending[k] = "load"
+                self._begin_locked(k)
         self._submit(self._read_evicted(backups))
         return self._fetch_into(fetch, pages, ref=True, handle=None)
 
@@ -168,12 +170,14 @@ class FetchMixin(WritePolicyMixin):
                 chunk = keys[start : start + self.fetch_batch_pages]
                 good = self._read_batch(chunk, pages[start:])
                 with self._lock:
+                    self._apply_removals_locked()
                     for k, page in zip(chunk[:good], pages[start:], strict=False):
                         del self._pending[k]
                         self.index.bind(k, page)
-                        self._stored.add(k)
                         if ref:
                             self.index.ref(k)
+                        if self._end_locked(k):  # not removed from storage since it was read
+                            self._stored.add(k)
                         done.append((k, page))
                 if handle is not None:
                     handle.advance(good)
@@ -184,6 +188,7 @@ class FetchMixin(WritePolicyMixin):
             with self._lock:
                 for k in keys[len(done) :]:
                     self._pending.pop(k, None)
+                    self._end_locked(k)
                 self.index.release(pages[len(done) :])
                 for k, _ in reversed(done):
                     if failed and ref:

@@ -79,6 +79,10 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         self._pending: dict[bytes, object] = {}  # reserved key -> its Reservation's owner, "load" or PrefetchHandle
         self._queued: set[bytes] = set()  # keys referenced by a queued storage write
         self._stored: set[bytes] = set()  # resident keys known to be in storage
+        self._in_flight: dict[bytes, int] = {}  # key -> its fetches and writes begun, not yet ended
+        self._dropped: set[bytes] = set()  # keys of _in_flight the tier removed meanwhile
+        self._removals: list[bytes] = []  # keys the tier removed while the cache lock was busy
+        self._removals_lock = threading.Lock()  # guards _removals (taken under the tier's lock)
         self._hits: dict[bytes, int] = {}  # write_through_selective: uses of resident, unstored keys
         self._n: dict[str, int] = dict.fromkeys(
             ("host_hits host_misses storage_hits storage_misses writes_queued writes_done write_failures "
@@ -92,6 +96,8 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         self._next_id = 0
         self._prefetcher = threading.Thread(target=self._prefetch_loop, name="hicache-prefetch", daemon=True)
         self._prefetcher.start()
+        self._watcher = self._storage_changed  # one bound method, so that close() can remove it
+        self.storage.add_watcher(self._watcher)
 
     @property
     def geometry(self) -> KVGeometry:
@@ -294,6 +300,7 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
             for k in self._queued:
                 assert self.index.refs(k) >= 1, k.hex()
             assert all(k in self.index for k in self._stored)
+            assert self._dropped <= self._in_flight.keys(), [k.hex() for k in self._dropped - self._in_flight.keys()]
             assert all(k in self.index for k in self._hits)
         check = getattr(self.pool, "check_integrity", None)
         if check is not None:
@@ -301,10 +308,11 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Cancel prefetches, write what is queued (up to `timeout` s), stop the threads.
-        The storage tier stays open: it belongs to the caller."""
+        The storage tier stays open: it belongs to the caller (the cache stops watching it)."""
         with self._lock:
             for h in self._active.values():
                 h.cancel()
         self._prefetch_queue.put(None)
         self._prefetcher.join(timeout)
         self._writer.close(timeout)
+        self.storage.remove_watcher(self._watcher)

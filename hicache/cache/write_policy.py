@@ -9,6 +9,12 @@ _forget, run with the cache lock held; _submit and _read_evicted run without it.
   read before the page is handed out again.
 A queued key holds a reference on its host page until the writer reports it (_write_done),
 so the page cannot be evicted or reused while it waits.
+
+A key is marked stored (_stored) when a fetch read it from storage or a write stored it,
+and unmarked when the tier reports it removed (_storage_changed: its cap evicted it, it was
+found corrupt, another pool deleted it), so write_back writes it again when the host evicts
+it. A removal that lands while a fetch or write of the key is in flight (_in_flight) keeps
+that operation from marking it stored (_dropped).
 """
 
 from __future__ import annotations
@@ -32,12 +38,55 @@ class WritePolicyMixin:
     _writer: StorageWriter
     _queued: set[bytes]
     _stored: set[bytes]
+    _in_flight: dict[bytes, int]
+    _dropped: set[bytes]
+    _removals: list[bytes]
+    _removals_lock: threading.Lock
     _hits: dict[bytes, int]
     _n: dict[str, int]
+
+    def _storage_changed(self, change: str, keys: list[bytes]) -> None:
+        """The tier's watcher: removed keys are no longer stored. It runs under the tier's
+        lock, so it never waits for the cache lock: when that is busy, the keys wait in
+        _removals for the next holder (_apply_removals_locked)."""
+        if change != "removed":
+            return
+        with self._removals_lock:
+            self._removals.extend(keys)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_removals_locked()
+            finally:
+                self._lock.release()
+
+    def _apply_removals_locked(self) -> None:
+        with self._removals_lock:
+            keys, self._removals = self._removals, []
+        for k in keys:
+            self._stored.discard(k)
+            if k in self._in_flight:
+                self._dropped.add(k)
+
+    def _begin_locked(self, key: bytes) -> None:
+        """A fetch or write of `key` starts: a removal from now on keeps it from being marked stored."""
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+
+    def _end_locked(self, key: bytes) -> bool:
+        """A fetch or write of `key` begun by _begin_locked ended: whether it may mark the
+        key stored (false if the tier removed the key meanwhile). Call
+        _apply_removals_locked first."""
+        left = self._in_flight.pop(key) - 1
+        fresh = key not in self._dropped
+        if left:
+            self._in_flight[key] = left
+        else:
+            self._dropped.discard(key)
+        return fresh
 
     def _note_use(self, keys: list[bytes]) -> list[WriteJob]:
         if self.write_policy != "write_through_selective":
             return []
+        self._apply_removals_locked()
         hot = []
         for k in keys:
             if k in self._stored or k in self._queued:
@@ -50,20 +99,24 @@ class WritePolicyMixin:
     def _queue_locked(self, keys: list[bytes]) -> list[WriteJob]:
         if not self.storage.enabled:
             return []
+        self._apply_removals_locked()
         jobs = []
         for k in keys:
             if k in self._stored or k in self._queued:
                 continue
             jobs.append(WriteJob(k, self.index.ref(k)))
             self._queued.add(k)
+            self._begin_locked(k)
             self._hits.pop(k, None)
         return jobs
 
     def _evicted_locked(self, evicted: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        self._apply_removals_locked()
         backups = []
         for k, page in evicted:
             if self.write_policy == "write_back" and self.storage.enabled and k not in self._stored:
                 backups.append((k, page))
+                self._begin_locked(k)
             self._forget(k)
         return backups
 
@@ -107,11 +160,12 @@ class WritePolicyMixin:
 
     def _write_done(self, jobs: list[WriteJob], ok: list[bool], counted: bool = False) -> None:
         with self._lock:
+            self._apply_removals_locked()
             for job, good in zip(jobs, ok, strict=True):
                 if job.page is not None and job.key in self._queued:  # a page held since queueing
                     self._queued.discard(job.key)
                     self.index.unref(job.key)
-                if good and job.key in self.index:
+                if self._end_locked(job.key) and good and job.key in self.index:
                     self._stored.add(job.key)
             if not counted:
                 self._n["writes_done"] += sum(ok)

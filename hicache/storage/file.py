@@ -9,9 +9,14 @@ files are written and renamed without a flush each, then one syncfs of the file 
 makes the data and the renames durable together before the batch is acknowledged: the same
 rule (acknowledged means durable) at one flush per batch; a crash before that flush can
 leave a renamed page without its data, which the start's scan drops (its size) or a read
-refuses (its checksum), never serves. The index (key -> size, in LRU order) lives in
-memory and is rebuilt by scanning the folder on start, oldest modification first; the read
-order is written to the files' modification times every RECENCY_BATCH reads and at close.
+refuses (its checksum), never serves. A flush that fails (a folder's fsync, or the batch's
+syncfs) acknowledges none of the pages it covers: set() returns False for them, and they
+are taken back (deleted, unindexed, watchers told "removed", counted as write failures), so
+a page set() refused is never served. The index (key -> size, in LRU order) lives in
+memory and is rebuilt by scanning the folder on start, oldest modification first; a file
+that is not the page file of the key its name spells (another folder, upper-case hex) is
+deleted and counted corrupt. The read order is written to the files' modification times
+every RECENCY_BATCH reads and at close.
 
 One process owns one (dir, identity) folder (make_tier hands pools of one identity the same
 FileTier); machines share pages through Redis instead.
@@ -26,7 +31,7 @@ import os
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -133,17 +138,12 @@ class FileTier(StorageTier):
                     continue
                 if not entry.name.endswith(PAGE_SUFFIX):
                     continue
+                key = _key_of(sub.name, entry.name)
                 try:
-                    key = bytes.fromhex(entry.name[: -len(PAGE_SUFFIX)])
                     st = entry.stat(follow_symlinks=False)
-                except (ValueError, OSError):
+                except OSError:
                     continue
-                if (
-                    not stat.S_ISREG(st.st_mode)
-                    or not key
-                    or len(key) > fmt.MAX_KEY_BYTES
-                    or st.st_size != fmt.stored_size(self.identity, key)
-                ):
+                if key is None or not stat.S_ISREG(st.st_mode) or st.st_size != fmt.stored_size(self.identity, key):
                     _unlink(entry.path)
                     self._count(corrupt=1)
                     continue
@@ -256,38 +256,14 @@ class FileTier(StorageTier):
             # O_NONBLOCK: a FIFO put in place of a page opens at once (and is refused below)
             # instead of blocking the read; O_NOFOLLOW: a symlink fails with ELOOP
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_size != size:  # checked before reading
-                    self._refuse(
-                        key, f"{path}: not a regular file of {size} bytes (mode {st.st_mode:o}, size {st.st_size})"
-                    )
-                    return None
-                got = read(fd)
-            finally:
-                os.close(fd)
-        except FileNotFoundError:  # evicted or deleted meanwhile
-            with self._lock:  # a rewrite since then renames and indexes under this lock
-                if key in self._index and not path.exists():
-                    self._total -= self._index.pop(key)
-            self._count(misses=1)
-            return None
         except OSError as e:
-            if e.errno == errno.ELOOP:  # a symlink in place of a page
-                self._refuse(key, f"{path} is a symlink")
-                return None
-            self._error(f"read {path}: {e}")
-            self._count(misses=1)
+            self._open_failed(key, path, e)
             return None
-        try:
-            result = verify(got)
-        except fmt.PageError as e:
-            if e.reason == "unreadable":  # this process lacks the checksum algorithm: keep it
-                self._error(str(e))
-                self._count(misses=1)
-                return None
-            self.delete(key, count=False)
-            self._count(misses=1, **{e.reason: 1})
+        try:  # the file stays open until it is verified: its inode cannot be reused meanwhile
+            result = self._read_open(key, path, fd, size, read, verify)
+        finally:
+            os.close(fd)
+        if result is None:
             return None
         with self._lock:
             if key in self._index:
@@ -299,6 +275,52 @@ class FileTier(StorageTier):
             self.persist_recency()
         self._count(hits=1, bytes_read=self.identity.page_bytes)
         return result
+
+    def _read_open(
+        self, key: bytes, path: Path, fd: int, size: int, read: Callable[[int], int], verify: Callable[[int], R]
+    ) -> R | None:
+        """_load's checks, read and verification of the open page file `fd`; None for a miss."""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:  # checked before reading
+                why = f"{path}: not a regular file of {size} bytes (mode {st.st_mode:o}, size {st.st_size})"
+                self._refuse(key, path, st, why)
+                return None
+            got = read(fd)
+        except OSError as e:
+            self._error(f"read {path}: {e}")
+            self._count(misses=1)
+            return None
+        try:
+            return verify(got)
+        except fmt.PageError as e:
+            if e.reason == "unreadable":  # this process lacks the checksum algorithm: keep it
+                self._error(str(e))
+                self._count(misses=1)
+            else:
+                self._drop(key, path, st)
+                self._count(misses=1, **{e.reason: 1})
+            return None
+
+    def _open_failed(self, key: bytes, path: Path, e: OSError) -> None:
+        """_load's open of `path` failed with `e`: a miss, and a symlink in place of the page is refused."""
+        if isinstance(e, FileNotFoundError):  # evicted or deleted meanwhile
+            with self._lock:  # a rewrite since then renames and indexes under this lock
+                if key in self._index and not path.exists():
+                    self._remove_locked(key, path)
+            self._count(misses=1)
+            return
+        if e.errno == errno.ELOOP:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                st = None
+            if st is not None and stat.S_ISLNK(st.st_mode):  # not a page written since
+                self._refuse(key, path, st, f"{path} is a symlink")
+                return
+        else:
+            self._error(f"read {path}: {e}")
+        self._count(misses=1)
 
     def persist_recency(self) -> None:
         """Write the read order kept in memory to the files' modification times (oldest read
@@ -316,11 +338,26 @@ class FileTier(StorageTier):
         self.persist_recency()
         self._readers.close()
 
-    def _refuse(self, key: bytes, why: str) -> None:
+    def _refuse(self, key: bytes, path: Path, seen: os.stat_result, why: str) -> None:
         """A page file that is not a page: deleted, counted corrupt, served as a miss."""
         log.warning("file tier: %s; deleted", why)
-        self.delete(key, count=False)
+        self._drop(key, path, seen)
         self._count(misses=1, corrupt=1)
+
+    def _drop(self, key: bytes, path: Path, seen: os.stat_result) -> None:
+        with self._lock:
+            self._drop_locked(key, path, seen)
+
+    def _drop_locked(self, key: bytes, path: Path, seen: os.stat_result) -> None:
+        """Remove `key`'s page file `path`, as `seen` (its stat) when read or written, unless a
+        write has replaced it since: a rename puts another inode there, a newer page that may
+        have been acknowledged already."""
+        try:
+            now = os.lstat(path)
+        except OSError:
+            now = None  # deleted or evicted meanwhile
+        if now is None or (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino):
+            self._remove_locked(key, path)
 
     # ---- writes -------------------------------------------------------------------------------
     def set(self, key: bytes, data: Payload) -> bool:
@@ -333,17 +370,17 @@ class FileTier(StorageTier):
             return [False] * len(items)
         with self._stats_lock:
             no_space_before = self._counters.no_space
-        written: list[tuple[int, Path, Path]] = []  # (item index, tmp, final)
+        written: list[tuple[int, Path, Path, os.stat_result]] = []  # (item index, tmp, final, tmp's stat)
         ok = [False] * len(items)
         for i, ((key, data), header) in enumerate(zip(items, headers, strict=True)):
             final = self.path_of(key)
             tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.{i}{TMP_SUFFIX}")
-            if self._write_tmp(tmp, header, data):
-                written.append((i, tmp, final))
+            if (seen := self._write_tmp(tmp, header, data)) is not None:
+                written.append((i, tmp, final, seen))
         dirs: set[Path] = set()
         failures: list[tuple[OSError, Path]] = []
         with self._lock:  # rename and index together, so a delete or eviction never splits them
-            for i, tmp, final in written:
+            for i, tmp, final, _ in written:
                 try:
                     os.replace(tmp, final)
                 except OSError as e:
@@ -357,18 +394,18 @@ class FileTier(StorageTier):
                 self._total += size - self._index.pop(key, 0)
                 self._index[key] = size
             # under the lock, before the evictions below: events keep the order of the changes
-            self._changed("stored", [items[i][0] for i, _, _ in written if ok[i]])
-            for i, _, _ in written:
+            self._changed("stored", [items[i][0] for i, _, _, _ in written if ok[i]])
+            for i, _, _, _ in written:
                 if ok[i]:
                     self._evict_locked(keep=items[i][0])
         for error, tmp in failures:
             self._failed(error, f"rename {tmp}")
-        if self.fsync == "batch" and dirs:
-            if not self._syncfs():  # unflushed pages are not acknowledged
-                ok = [False] * len(items)
-        elif self.fsync:
-            for d in dirs:
-                self._fsync_dir(d)
+        unflushed = self._flush(dirs)
+        taken_back = [(i, final, seen) for i, _, final, seen in written if ok[i] and final.parent in unflushed]
+        if taken_back:  # not durable, so not acknowledged, and not served either
+            self._take_back([(items[i][0], final, seen) for i, final, seen in taken_back])
+            for i, _, _ in taken_back:
+                ok[i] = False
         n_ok = sum(ok)
         with self._stats_lock:
             full_now = self._counters.no_space > no_space_before
@@ -377,24 +414,48 @@ class FileTier(StorageTier):
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes)
         return ok
 
-    def _write_tmp(self, tmp: Path, header: bytes, data: Payload) -> bool:
+    def _write_tmp(self, tmp: Path, header: bytes, data: Payload) -> os.stat_result | None:
+        """Write the temporary file `tmp`; its stat (which names the page's inode once
+        renamed), or None where the write failed (counted)."""
         try:
             tmp.parent.mkdir(exist_ok=True)
             write_file(tmp, [header, *fmt.payload_parts(data)], self.fsync is True)
-            return True
+            return os.stat(tmp)
         except OSError as e:
             _unlink(tmp)
             self._failed(e, f"write {tmp}")
-            return False
+            return None
 
     def _failed(self, e: OSError, what: str) -> None:
         self._count(write_failures=1, no_space=int(e.errno in _NO_SPACE))
         self._error(f"{what}: {e}")
 
+    def _flush(self, dirs: Collection[Path]) -> frozenset[Path]:
+        """Make the pages just renamed into `dirs` durable as `fsync` says: the folders whose
+        flush failed (all of them when the batch's syncfs failed)."""
+        if not dirs or not self.fsync:
+            return frozenset()
+        if self.fsync == "batch":
+            return frozenset() if self._syncfs() else frozenset(dirs)
+        return frozenset(d for d in dirs if not self._fsync_dir(d))
+
+    def _take_back(self, pages: list[tuple[bytes, Path, os.stat_result]]) -> None:
+        """Pages (key, path, stat when written) whose flush failed: each is deleted and
+        unindexed, watchers told "removed", unless a later write has replaced it; all are
+        counted as write failures."""
+        with self._lock:
+            for key, path, seen in pages:
+                self._drop_locked(key, path, seen)
+        self._count(write_failures=len(pages))
+
     def _syncfs(self) -> bool:
         """One flush of the whole file system the tier is on (its files' data and the renames):
         the group commit. False (counted as an error) when it failed."""
-        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            fd = os.open(self.root, os.O_RDONLY)
+        except OSError as e:
+            self._error(f"syncfs {self.root}: {e}")
+            return False
         try:
             if _libc_syncfs(fd) != 0:
                 self._error(f"syncfs {self.root}: {os.strerror(ctypes.get_errno())}")
@@ -403,28 +464,37 @@ class FileTier(StorageTier):
         finally:
             os.close(fd)
 
-    def _fsync_dir(self, d: Path) -> None:
+    def _fsync_dir(self, d: Path) -> bool:
+        """fsync the folder `d` (the renames into it); False (counted as an error) when it failed."""
         try:
             fd = os.open(d, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            return True
         except OSError as e:
             self._error(f"fsync {d}: {e}")
+            return False
 
     # ---- removal and eviction -----------------------------------------------------------------
     def delete(self, key: bytes, *, count: bool = True) -> bool:
         fmt.check_key(key)
         with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._total -= size
-            removed = _unlink(self.path_of(key))
-            if removed or size is not None:
-                self._changed("removed", [key])  # under the lock: after any STORED of the key
-        if count and (removed or size is not None):
+            gone = self._remove_locked(key, self.path_of(key))
+        if count and gone:
             self._count(deletes=1)
+        return gone
+
+    def _remove_locked(self, key: bytes, path: Path) -> bool:
+        """Unlink `key`'s page file `path` and drop the key from the index; whether either was
+        there (then the watchers are told)."""
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._total -= size
+        removed = _unlink(path)
+        if removed or size is not None:
+            self._changed("removed", [key])  # under the lock: after any STORED of the key
         return removed or size is not None
 
     def _evict_locked(self, keep: bytes | None) -> None:
@@ -491,6 +561,21 @@ def write_file(path: Path, parts: list[Buffer], fsync: bool) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _key_of(folder: str, name: str) -> bytes | None:
+    """The key whose page file is <folder>/<name> (FileTier.path_of), or None where there is
+    none: a name that is not the lower-case hex of a key of 1..MAX_KEY_BYTES bytes, or one in
+    another key's folder. Such a file, indexed under the key its name spells, would be
+    counted again beside the key's own file and never removed by its delete or eviction."""
+    try:
+        key = bytes.fromhex(name.removesuffix(PAGE_SUFFIX))
+    except ValueError:
+        return None
+    if not key or len(key) > fmt.MAX_KEY_BYTES:
+        return None
+    h = key.hex()
+    return key if (folder, name) == (h[:2], h + PAGE_SUFFIX) else None
 
 
 def _unlink(path: str | os.PathLike[str]) -> bool:
