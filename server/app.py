@@ -36,7 +36,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HiCache"].full_name
 
 
 class HiCacheServer:
-    """A started sidecar: the gRPC server, the service, and the lease reaper."""
+    """A started sidecar: the gRPC server, the service, and the reaper of expired leases and
+    unclaimed fds."""
 
     def __init__(
         self,
@@ -66,6 +67,9 @@ class HiCacheServer:
         while not self._stopped.wait(interval):
             for pool_id in self.service.reap_expired():
                 log.warning("lease expired: released pool %s", pool_id)
+            closed = self.service.fds.expire()  # an engine that sent fds and died before registering
+            if closed:
+                log.warning("closed %d fds that no registration claimed in time", closed)
 
     def stop(self, grace: float | None = None) -> None:
         """Stop taking calls, let in-flight ones finish within `grace` s, release every pool

@@ -20,6 +20,7 @@ import socket
 import stat
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 from hicache.memory.buffer import MemoryHandle, SharedBuffer, seal_shrink, shrunk
@@ -96,7 +97,10 @@ class FdStore:
 
     def take(self, ids: Sequence[str]) -> list[int]:
         """The fds of `ids`, now the caller's to close. ValueError, taking none, for an id
-        that is unknown or expired."""
+        that is unknown, expired or given twice."""
+        repeated = sorted(i for i, n in Counter(ids).items() if n > 1)
+        if repeated:
+            raise ValueError(f"fd id(s) {repeated} given more than once: name each fd once")
         with self._lock:
             self._expire_locked()
             missing = [i for i in ids if i not in self._fds]
@@ -104,10 +108,19 @@ class FdStore:
                 raise ValueError(f"unknown or expired fd id(s) {missing or list(ids)}: send the fds again")
             return [self._fds.pop(i)[0] for i in ids]
 
-    def _expire_locked(self) -> None:
+    def expire(self) -> int:
+        """Close the fds not claimed within ttl_s; returns how many. add() and take() do it
+        too, but an engine that dies before it registers leaves nobody to call them: the
+        server's reaper calls this."""
+        with self._lock:
+            return self._expire_locked()
+
+    def _expire_locked(self) -> int:
         now = time.monotonic()
-        for fid in [f for f, (_, deadline) in self._fds.items() if deadline < now]:
+        expired = [f for f, (_, deadline) in self._fds.items() if deadline < now]
+        for fid in expired:
             os.close(self._fds.pop(fid)[0])
+        return len(expired)
 
     def close(self) -> None:
         with self._lock:

@@ -30,21 +30,35 @@ class _Pending:
         return KVEvent(self.kind, self.pool, self.tier, tuple(self.keys))
 
 
+class _Lost:
+    """A run of lost events (numbers seq .. seq + count - 1) with events queued after it: a
+    snapshot event queued while events were being lost. The batch that reaches it ends there
+    and reports it in `dropped`."""
+
+    __slots__ = ("seq", "count")
+
+    def __init__(self, seq: int, count: int):
+        self.seq, self.count = seq, count
+
+
 class Subscription:
     """One subscriber's queue. next_batch() blocks for events; close() ends it.
 
     Once the queue is full, every new event is lost (counted, numbered) until the subscriber
     has drained the queue; the batch that drains it reports them in `dropped`, so what was
-    lost always comes right after the events delivered."""
+    lost always comes right after the events delivered. A snapshot event queued meanwhile
+    (one pool's, with another's live event lost before it) ends the run of lost events
+    where it is: the batch before it reports them, and the numbers stay in order."""
 
     def __init__(self, bus: EventBus, namespace: str | None, max_queued_keys: int):
         self.namespace = namespace
         self._bus, self._max = bus, max_queued_keys
         self._cond = threading.Condition()
-        self._queue: deque[_Pending] = deque()
+        self._queue: deque[_Pending | _Lost] = deque()
         self._queued_keys = 0
         self._next_seq = 1  # the number of the next event queued or lost
-        self._dropped = 0  # lost since the queue last drained
+        self._dropped = 0  # lost since the queue last drained, or since the last _Lost queued
+        self._lost_queued = 0  # _Lost entries in the queue: still losing events until they are read
         self.dropped_total = 0
         self.closed = False
 
@@ -58,14 +72,19 @@ class Subscription:
         with self._cond:
             if self.closed:
                 return
-            if not snapshot and (self._dropped or self._queued_keys + weight > self._max):
+            losing = self._dropped or self._lost_queued
+            if not snapshot and (losing or self._queued_keys + weight > self._max):
                 self._dropped += 1
                 self.dropped_total += 1
                 self._next_seq += 1
                 self._cond.notify()
                 return
+            if self._dropped:  # a snapshot event: the events lost so far come before it
+                self._queue.append(_Lost(self._next_seq - self._dropped, self._dropped))
+                self._lost_queued += 1
+                self._dropped = 0
             last = self._queue[-1] if self._queue else None
-            if last is not None and keys and (last.kind, last.pool, last.tier) == (kind, pool, tier):
+            if isinstance(last, _Pending) and keys and (last.kind, last.pool, last.tier) == (kind, pool, tier):
                 last.keys.extend(keys)  # merged into the queued event: no new number
             else:
                 self._queue.append(_Pending(self._next_seq, kind, pool, tier, list(keys)))
@@ -81,13 +100,29 @@ class Subscription:
                 self._cond.wait(timeout)
             if not self._queue and not self._dropped:
                 return None
-            events = [self._queue.popleft() for _ in range(min(max_events, len(self._queue)))]
+            events, lost = self._pop_events(max_events)
             self._queued_keys -= sum(max(1, len(e.keys)) for e in events)
-            dropped = 0
-            if not self._queue:
+            if lost is not None:  # lost before the events queued after them
+                dropped, first_lost = lost.count, lost.seq
+            elif not self._queue:  # drained: what was lost since
                 dropped, self._dropped = self._dropped, 0
-            first = events[0].seq if events else self._next_seq - dropped
+                first_lost = self._next_seq - dropped
+            else:
+                dropped, first_lost = 0, self._next_seq
+            first = events[0].seq if events else first_lost
             return EventBatch(first, tuple(e.frozen() for e in events), dropped, time.time())
+
+    def _pop_events(self, max_events: int) -> tuple[list[_Pending], _Lost | None]:
+        """Up to max_events queued events, up to and including the first run of lost ones
+        (under the lock)."""
+        events: list[_Pending] = []
+        while self._queue and len(events) < max_events:
+            entry = self._queue.popleft()
+            if isinstance(entry, _Lost):
+                self._lost_queued -= 1
+                return events, entry
+            events.append(entry)
+        return events, None
 
     def close(self) -> None:
         with self._cond:

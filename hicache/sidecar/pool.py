@@ -122,7 +122,8 @@ class RegisteredPool:
     def check_device(self) -> None:
         """Raises StateError when the engine changed its memory under the sidecar (a shared file
         shrunk below the mapped size): copying would fault the whole sidecar (SIGBUS). Only
-        this pool's calls fail; the engine must register again."""
+        this pool's calls fail; the engine must register again. Call it in flight (_in_flight):
+        once the pool is closed, the fds it checks are closed too."""
         problem = self.device.memory.damage()
         if problem:
             raise StateError(f"pool {self.identity.pool_id}: {problem}; register the pool again")
@@ -136,8 +137,8 @@ class RegisteredPool:
         ks = self.check_keys(keys, unique=True)
         pages = self.check_pages(device_pages, len(ks))
         ready = self._ready_hook(ready_event)
-        self.check_device()
-        with self._in_flight():
+        with self._in_flight():  # first: close() may have released the device memory
+            self.check_device()
             return self._offload(ks, pages, ready)
 
     def _ready_hook(self, ready_event: int) -> StreamHook | None:
@@ -188,8 +189,8 @@ class RegisteredPool:
         """
         ks = self.check_keys(keys, unique=True)
         pages = self.check_pages(device_pages, len(ks))
-        self.check_device()
-        with self._in_flight():
+        with self._in_flight():  # first: close() may have released the device memory
+            self.check_device()
             return self._reload(ks, pages, layerwise)
 
     def _reload(self, ks: list[bytes], pages: list[int], layerwise: bool) -> TransferResult:

@@ -1,26 +1,47 @@
-"""Building a registered pool: map the engine's memory, create the host pool, its storage
-tier and its cache; on any failure, release what was made so far."""
+"""Building a registered pool in two steps: first what a bad request can fail on (the engine's
+memory, its offload events, the storage tier: PoolParts), then, once the host budget made room,
+the host pool and its cache. On any failure, release what was made so far."""
 
 from __future__ import annotations
 
 import contextlib
 import secrets
+from dataclasses import dataclass
 
 from hicache.api import EventPool
 from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, FdStore
+from hicache.memory.cuda_events import OpenedIpcEvents
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
 from hicache.sidecar.events import EventBus, PoolEvents
 from hicache.sidecar.pool import RegisteredPool
 from hicache.sidecar.registration import PoolIdentity, PoolRequest, map_device, map_engine_layout
+from hicache.storage.base import StorageTier
 
 
-def build_pool(
-    req: PoolRequest, host_pages: int, config: ServiceConfig, ipc: CudaIpcOpens, fds: FdStore, bus: EventBus
-) -> RegisteredPool:
-    """The pool `req` asks for, with host_pages host pages. Raises ValueError for memory that
-    cannot be mapped (and whatever the tier raises), with nothing left allocated."""
+@dataclass
+class PoolParts:
+    """What a registration makes before it takes any host memory: the engine's memory mapped,
+    its offload events opened and the storage tier. The pool built from them owns them; until
+    then, close() releases them."""
+
+    device: DeviceKVPool
+    offload_events: OpenedIpcEvents | None
+    tier: StorageTier
+
+    def close(self) -> None:
+        with contextlib.ExitStack() as undo:  # each one closed, even if another raises
+            undo.callback(self.device.close)
+            if self.offload_events is not None:
+                undo.callback(self.offload_events.close)
+            undo.callback(self.tier.close)
+
+
+def make_parts(req: PoolRequest, config: ServiceConfig, ipc: CudaIpcOpens, fds: FdStore) -> PoolParts:
+    """Map the memory `req` names, open its offload events and its storage tier. Raises
+    ValueError for memory that cannot be mapped (and whatever the tier raises), with nothing
+    left open."""
     with contextlib.ExitStack() as undo:
         device: DeviceKVPool
         if req.device_layout:
@@ -32,15 +53,23 @@ def build_pool(
         undo.callback(device.close)
         offload_events = None
         if req.offload_events:
-            from hicache.memory.cuda_events import OpenedIpcEvents
-
             offload_events = OpenedIpcEvents(req.offload_events, req.cuda_device, "offload_event_handles")
             undo.callback(offload_events.close)
+        tier = config.hierarchy.make_tier(req.geometry, req.stored_model_id, req.namespace)
+        undo.pop_all()
+        return PoolParts(device, offload_events, tier)
+
+
+def build_pool(
+    req: PoolRequest, parts: PoolParts, host_pages: int, config: ServiceConfig, bus: EventBus
+) -> RegisteredPool:
+    """The pool `req` asks for over `parts`, with host_pages host pages; it owns the parts.
+    Raises OSError when the host memory does not fit, with the host pool released and the
+    parts still the caller's."""
+    with contextlib.ExitStack() as undo:
         host = HostKVPool(req.geometry, host_pages, config.host_layout)
         undo.callback(host.close)
-        tier = config.hierarchy.make_tier(req.geometry, req.stored_model_id, req.namespace)
-        undo.callback(tier.close)
-        cache = config.hierarchy.build(host, tier)
+        cache = config.hierarchy.build(host, parts.tier)
         undo.callback(cache.close)
         identity = PoolIdentity(
             "pool-" + secrets.token_hex(8),
@@ -54,7 +83,7 @@ def build_pool(
         )
         pool = RegisteredPool(
             identity,
-            device,
+            parts.device,
             cache,
             max_batch=config.max_batch,
             finished_ops_kept=config.finished_ops_kept,
@@ -62,7 +91,7 @@ def build_pool(
             events=PoolEvents(
                 bus, EventPool(identity.pool_id, req.namespace, req.model_id, req.group, req.tp_rank, req.tp_size)
             ),
-            offload_events=offload_events,
+            offload_events=parts.offload_events,
             layerwise_inline_bytes=config.layerwise_inline_bytes,
         )
         undo.pop_all()

@@ -91,7 +91,8 @@ class PoolRequest:
                     f"device layout {self.device_layout!r} needs memory of kind {' or '.join(kinds)}, "
                     f"got {self.device_memory.kind!r}"
                 )
-            return  # its size is checked against the memory when mapped
+            self._check_layout_fits()
+            return
         if self.device_memory.kind == "fd":
             raise ValueError("device memory of kind 'fd' needs a device_layout")
         need = self.geometry.pool_bytes(self.device_pages)
@@ -100,6 +101,18 @@ class PoolRequest:
                 f"device memory holds {self.device_memory.nbytes} bytes but {self.device_pages} pages "
                 f"of this geometry need {need}"
             )
+
+    def _check_layout_fits(self) -> None:
+        """Raises ValueError when device_pages pages of the engine's layout need more bytes than
+        its memory holds, by arithmetic alone: the host pool is sized from device_pages before
+        the memory is mapped (where fd segments' own offsets are checked again)."""
+        nbytes = self.device_memory.nbytes
+        if not is_int(nbytes) or nbytes < 1:
+            raise ValueError(f"device memory nbytes must be an int >= 1, got {nbytes!r}")
+        try:
+            engine_layout(self.geometry, self.device_pages, self.device_layout, None, nbytes)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (device_pages={self.device_pages})") from None
 
     @property
     def stored_model_id(self) -> str:
@@ -159,17 +172,20 @@ def map_engine_layout(
         except FileNotFoundError:
             raise ValueError(f"device memory shm {memory.name!r} does not exist") from None
     try:
-        mapped: Layout
-        if layout.startswith(BlockLayout.PREFIX):
-            if bases is not None:
-                raise ValueError(f"device layout {layout!r} addresses one segment, got {len(bases)}")
-            mapped = BlockLayout(geometry, pages, layout, extent=buf.nbytes)
-        else:
-            mapped = EngineLayout(geometry, pages, layout, bases, extent=buf.nbytes)
-        return MappedKVPool(geometry, mapped, buf)
+        return MappedKVPool(geometry, engine_layout(geometry, pages, layout, bases, buf.nbytes), buf)
     except BaseException:
         buf.close()
         raise
+
+
+def engine_layout(geometry: KVGeometry, pages: int, layout: str, bases: tuple[int, ...] | None, extent: int) -> Layout:
+    """The engine's layout `layout` of `pages` pages over memory of `extent` bytes whose
+    buffers start at `bases` (None: back to back). Raises ValueError for memory too small."""
+    if layout.startswith(BlockLayout.PREFIX):
+        if bases is not None:
+            raise ValueError(f"device layout {layout!r} addresses one segment, got {len(bases)}")
+        return BlockLayout(geometry, pages, layout, extent=extent)
+    return EngineLayout(geometry, pages, layout, bases, extent=extent)
 
 
 def map_device(

@@ -11,6 +11,7 @@ Errors follow hicache.sidecar.errors: ValueError / UnknownId (a KeyError) / Stat
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hmac
@@ -50,6 +51,7 @@ from hicache.storage.factory import backend_reachable
 
 if TYPE_CHECKING:
     from hicache.sidecar.pool import RegisteredPool
+    from hicache.sidecar.pool_factory import PoolParts
 
 log = logging.getLogger("hicache.sidecar")
 
@@ -117,58 +119,56 @@ class HiCacheService:
 
     def _register(self, req: PoolRequest) -> PoolInfo | NoSpace:
         req.check(self.config.expected, self.config.hierarchy.storage_backend)
-        geometry = req.geometry
         refusal = self._pools.refusal()
         if refusal:
             return self._refuse(refusal)
         if req.device_memory.kind == "shm" and req.device_memory.name in self._pools.host_shm_names():
             raise ValueError(f"device memory {req.device_memory.name!r} is one of this sidecar's host pools")
-        # the budget split, the free-space check, the segment's reservation and the pool's
-        # listing are one step: a concurrent registration sees this pool or none of it
-        with self._space_lock:
-            _sweep()
-            host_pages = self._host_pages(req)
-            if isinstance(host_pages, NoSpace):
-                return host_pages
-            host_bytes = geometry.pool_bytes(host_pages)
-            free = shutil.disk_usage(shm_dir()).free
-            if host_bytes > free:
-                self._rebalance()
-                return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
-            from hicache.sidecar.pool_factory import build_pool  # torch: loaded with the first pool
+        from hicache.sidecar.pool_factory import make_parts  # torch: loaded with the first pool
 
-            try:
-                pool = build_pool(req, host_pages, self.config, self._ipc, self.fds, self.events)
-            except OSError as exc:
-                self._rebalance()  # the others get back what they gave up for it
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
-                    raise
-                return NoSpace(f"host pool of {host_pages} pages ({host_bytes} bytes): {exc.strerror}")
-            except BaseException:
-                self._rebalance()
+        with contextlib.ExitStack() as undo:
+            # Whatever a bad request fails on (its memory, its events, its tier) comes first:
+            # the live pools give up host memory only to a pool that needs nothing else.
+            parts = make_parts(req, self.config, self._ipc, self.fds)
+            undo.callback(parts.close)
+            # the budget split, the free-space check, the segment's reservation and the pool's
+            # listing are one step: a concurrent registration sees this pool or none of it
+            with self._space_lock:
+                pool = self._build(req, parts)
+                if isinstance(pool, NoSpace):
+                    return pool
+                undo.pop_all()  # the pool owns the parts now
+                refusal = self._pools.add(pool)
+                if refusal:
+                    pool.close()
+                    self._rebalance()
+                    return self._refuse(refusal)
+        return _pool_info(pool, req, self.config.lease_timeout_s)
+
+    def _build(self, req: PoolRequest, parts: PoolParts) -> RegisteredPool | NoSpace:
+        """The pool over `parts`, with its host pages taken from the budget (under the space
+        lock). NoSpace, with every live pool's share given back, when they do not fit."""
+        _sweep()
+        host_pages = self._host_pages(req)
+        if isinstance(host_pages, NoSpace):
+            return host_pages
+        host_bytes = req.geometry.pool_bytes(host_pages)
+        free = shutil.disk_usage(shm_dir()).free
+        if host_bytes > free:
+            self._rebalance()
+            return NoSpace(f"host pool of {host_pages} pages needs {host_bytes} bytes, {shm_dir()} has {free} free")
+        from hicache.sidecar.pool_factory import build_pool
+
+        try:
+            return build_pool(req, parts, host_pages, self.config, self.events)
+        except OSError as exc:
+            self._rebalance()  # the others get back what they gave up for it
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
                 raise
-            refusal = self._pools.add(pool)
-            if refusal:
-                pool.close()
-                self._rebalance()
-                return self._refuse(refusal)
-        identity, host = pool.identity, pool.host
-        return PoolInfo(
-            identity.pool_id,
-            host_pages,
-            host.handle.name,
-            host.layout_name,
-            host.nbytes,
-            geometry.fingerprint,
-            req.key_hash,
-            identity.key_bytes,
-            self.config.lease_timeout_s,
-            identity.secret,
-            pool.progress.name if pool.progress is not None else "",
-            pool.progress.nbytes if pool.progress is not None else 0,
-            tuple(pool.layer_events.handles) if pool.layer_events is not None else (),
-            pool.layer_events.slots if pool.layer_events is not None else 0,
-        )
+            return NoSpace(f"host pool of {host_pages} pages ({host_bytes} bytes): {exc.strerror}")
+        except BaseException:
+            self._rebalance()
+            raise
 
     # ---- the host budget ------------------------------------------------------------------------
     def _host_pages(self, req: PoolRequest) -> int | NoSpace:
@@ -391,6 +391,27 @@ class HiCacheService:
     def check_integrity(self) -> None:
         for pool in self._pools.check_integrity():
             pool.check_integrity()
+
+
+def _pool_info(pool: RegisteredPool, req: PoolRequest, lease_timeout_s: float) -> PoolInfo:
+    """What RegisterPool answers for a new pool."""
+    identity, host = pool.identity, pool.host
+    return PoolInfo(
+        identity.pool_id,
+        host.num_pages,
+        host.handle.name,
+        host.layout_name,
+        host.nbytes,
+        req.geometry.fingerprint,
+        req.key_hash,
+        identity.key_bytes,
+        lease_timeout_s,
+        identity.secret,
+        pool.progress.name if pool.progress is not None else "",
+        pool.progress.nbytes if pool.progress is not None else 0,
+        tuple(pool.layer_events.handles) if pool.layer_events is not None else (),
+        pool.layer_events.slots if pool.layer_events is not None else 0,
+    )
 
 
 def _resize(pool: RegisteredPool, pages: int) -> None:

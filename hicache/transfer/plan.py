@@ -26,7 +26,9 @@ def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
         if arr.size == 0:
             return np.zeros(0, dtype=np.int64)
         if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+            raise _not_integers(name, pages, arr.dtype, limit)
+        if arr.dtype.kind == "u":  # a proto's uint64: 2**63 and up would wrap negative in int64
+            _check_below(name, arr, limit)
         arr = arr.astype(np.int64, copy=False)
     if arr.size <= SMALL_LIST:  # a few pages: plain Python is faster than numpy's sort
         values = arr.tolist()
@@ -45,6 +47,23 @@ def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
     if uniq.size != arr.size:
         raise ValueError(f"{name} has duplicate page {int(uniq[counts > 1][0])}")
     return arr
+
+
+def _check_below(name: str, arr: np.ndarray, limit: int) -> None:
+    """Raises ValueError naming the first page of unsigned `arr` that is >= limit, as sent."""
+    bad = arr[arr >= limit]
+    if bad.size:
+        raise ValueError(f"{name} has page {int(bad[0])} out of range [0, {limit})")
+
+
+def _not_integers(name: str, pages: PageList, dtype: np.dtype, limit: int) -> ValueError:
+    """The error for pages numpy holds in no integer dtype. Python ints past int64 make a
+    float or object array (a uint64 of 2**63 or more beside a smaller page): the first page
+    out of range is named, as sent."""
+    if isinstance(pages, Sequence) and all(type(p) is int for p in pages):
+        first = next(p for p in pages if not 0 <= p < limit)
+        return ValueError(f"{name} has page {first} out of range [0, {limit})")
+    return ValueError(f"{name} must hold integers, got dtype {dtype}")
 
 
 @dataclass(frozen=True)

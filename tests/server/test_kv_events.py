@@ -188,6 +188,44 @@ def test_a_snapshot_larger_than_the_queue_is_still_delivered_whole() -> None:
     assert batch is not None and batch.events[0].keys == tuple(keys) and batch.dropped == 1
 
 
+def test_an_event_lost_between_two_pools_snapshots_is_reported_where_it_was_lost() -> None:
+    bus = EventBus()
+    sub = bus.subscribe(max_queued_keys=4)
+    a, b = EventPool("pool-a", "", "m", "full"), EventPool("pool-b", "", "m", "full")
+    # what HiCacheService.subscribe offers for pool A: its snapshot fills the queue
+    sub.offer(EventKind.POOL_REGISTERED, a, Tier.NONE, [], snapshot=True)
+    sub.offer(EventKind.STORED, a, Tier.HOST, [bytes([i]) for i in range(4)], snapshot=True)
+    bus.publish(EventKind.STORED, a, Tier.HOST, [b"live"])  # lost (number 3), before B's snapshot
+    sub.offer(EventKind.POOL_REGISTERED, b, Tier.NONE, [], snapshot=True)
+    sub.offer(EventKind.STORED, b, Tier.HOST, [b"b0"], snapshot=True)
+    bus.publish(EventKind.STORED, b, Tier.HOST, [b"late"])  # still losing until the loss is read (6)
+    first = sub.next_batch(timeout=1)
+    assert first is not None and (first.sequence, len(first.events), first.dropped) == (1, 2, 1)
+    assert [e.pool for e in first.events] == [a, a]
+    second = sub.next_batch(timeout=1)
+    assert second is not None and (second.sequence, second.dropped) == (4, 1), "numbered on from the loss"
+    assert [(e.kind, e.pool) for e in second.events] == [(EventKind.POOL_REGISTERED, b), (EventKind.STORED, b)]
+    bus.publish(EventKind.STORED, b, Tier.HOST, [b"after"])  # drained: queued again
+    third = sub.next_batch(timeout=1)
+    assert third is not None and third.sequence == 7 and third.events[0].keys == (b"after",)
+    assert sub.dropped_total == 2
+
+
+def test_a_batch_cut_short_before_a_loss_reports_it_in_the_next_one() -> None:
+    bus = EventBus()
+    sub = bus.subscribe(max_queued_keys=1)
+    sub.offer(EventKind.POOL_REGISTERED, POOL, Tier.NONE, [], snapshot=True)
+    bus.publish(EventKind.STORED, POOL, Tier.HOST, [b"x"])  # lost (2)
+    sub.offer(EventKind.STORED, POOL, Tier.HOST, [b"y"], snapshot=True)
+    batches = [sub.next_batch(timeout=1, max_events=1) for _ in range(3)]
+    assert [(b.sequence, len(b.events), b.dropped) for b in batches if b is not None] == [
+        (1, 1, 0),
+        (2, 0, 1),
+        (3, 1, 0),
+    ]
+    assert sub.next_batch(timeout=0.01) is None
+
+
 def test_consecutive_changes_of_one_pool_and_tier_are_merged() -> None:
     bus = EventBus()
     sub = bus.subscribe()

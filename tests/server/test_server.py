@@ -15,15 +15,19 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import eventually
 from sidecar_util import CONFIG_PATH, SecretStub, filled_device, keys_for, mimo_full, shm_exists
 from sidecar_util import start_in_process as start
 
 from hicache.api import KeyStatus, Tier
 from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.geometry import KVGeometry
+from hicache.memory import FdStore
 from hicache.rpc import convert
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
+from hicache.sidecar.config import ServiceConfig
+from hicache.sidecar.service import HiCacheService
 from server import HiCacheServer, ServerConfig, create_server, parse_args
 
 Code = grpc.StatusCode
@@ -216,6 +220,30 @@ def test_silent_client_lease_expires_and_host_memory_is_released(sockdir):
     assert not reg.progress_shm_name or not shm_exists(reg.progress_shm_name)  # the progress block went too
     srv.stop(0)
     dev.close()
+
+
+def test_the_reaper_closes_fds_that_no_registration_claimed(sockdir):
+    # an engine that sent fds and died: no other engine sends or claims fds after it
+    service = HiCacheService(ServiceConfig(), fds=FdStore(ttl_s=-1))  # every fd expired at once
+    srv, _ = create_server(
+        ServerConfig(socket=os.path.join(sockdir, "hc.sock"), service=service.config, reap_interval_s=0.05), service
+    )
+    r, w = os.pipe()
+    try:
+        service.fds.add(r)  # what the fd listener does with an fd the engine sent
+        eventually(lambda: reader_closed(w), what="the reaper closing the unclaimed fd")
+    finally:
+        srv.stop(0)
+        os.close(w)
+
+
+def reader_closed(write_end: int) -> bool:
+    """Whether the read end of the pipe is closed everywhere (a write fails with EPIPE)."""
+    try:
+        os.write(write_end, b"x")
+    except BrokenPipeError:
+        return True
+    return False
 
 
 def test_tcp_listen_needs_token_and_works_with_it(sockdir):

@@ -16,6 +16,7 @@ import torch
 from sidecar_util import mimo_full
 
 from hicache.api import KeyStatus
+from hicache.cache.config import HiCacheConfig
 from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.geometry import KVGeometry
 from hicache.keys import page_keys
@@ -24,6 +25,7 @@ from hicache.memory.buffer import local_buffer
 from hicache.pools.flat import FlatPool
 from hicache.pools.layouts import EngineLayout
 from hicache.sidecar.config import ServiceConfig
+from hicache.sidecar.service import HiCacheService
 from server import ServerConfig, create_server
 
 ORDERS = EngineLayout.ORDERS
@@ -164,7 +166,8 @@ def test_bad_fds_ids_and_sizes_are_refused(served: str) -> None:
         with pytest.raises(HiCacheRpcError, match="needs a device_layout"):
             client.register_memory(g, 2, MemoryHandle("fd", eng.total, name="x"))
         ids = client.send_fds(eng.fds)
-        with pytest.raises(HiCacheRpcError, match=r"\(9 pages\) do not fit"):  # 2 pages of memory, 9 claimed
+        # 2 pages of memory, 9 claimed: refused by arithmetic, before anything is mapped or sized
+        with pytest.raises(HiCacheRpcError, match=r"needs \d+ bytes, the memory holds \d+ \(device_pages=9\)"):
             client.register_memory(
                 g, 9, MemoryHandle("fd", eng.total, name=",".join(ids)), device_layout="sglang_page_first"
             )
@@ -187,3 +190,43 @@ def test_fd_store_takes_each_id_once_and_expires_unclaimed_ones() -> None:
     gone = stale.add(os.memfd_create("b"))
     with pytest.raises(ValueError, match="unknown or expired"):
         stale.take([gone])
+
+
+def test_fd_store_refuses_a_repeated_id_and_takes_nothing() -> None:
+    store = FdStore(ttl_s=60)
+    a, b = store.add(os.memfd_create("a")), store.add(os.memfd_create("b"))
+    with pytest.raises(ValueError, match=rf"fd id\(s\) \['{a}'\] given more than once"):
+        store.take([a, b, a])
+    fds = store.take([a, b])  # both still there: nothing was popped
+    assert len(fds) == 2
+    for fd in fds:
+        os.close(fd)
+
+
+def test_a_registration_naming_one_fd_twice_is_invalid_and_leaks_nothing() -> None:
+    g = mimo_full(page_size=4)
+    eng = MemfdPool(g, 2, "sglang_layer_first")
+    svc = HiCacheService(ServiceConfig(hierarchy=HiCacheConfig(storage_backend="none")))
+    try:
+        fid = svc.fds.add(os.dup(eng.fds[0]))
+        handle = MemoryHandle("fd", eng.total, name=f"{fid},{fid}")
+        with pytest.raises(ValueError, match=f"{fid}.*given more than once"):
+            svc.register("r", geometry=g, device_pages=2, device_memory=handle, device_layout="sglang_layer_first")
+        (fd,) = svc.fds.take([fid])  # still the store's, not taken and lost
+        os.close(fd)
+    finally:
+        svc.close()
+
+
+def test_fd_store_expire_closes_unclaimed_fds_without_other_traffic() -> None:
+    store = FdStore(ttl_s=-1)  # already past its deadline when added
+    r, w = os.pipe()
+    fid = store.add(r)
+    os.write(w, b"x")  # the read end is open: nothing expires until someone asks
+    assert store.expire() == 1
+    with pytest.raises(BrokenPipeError):  # the read end is closed now
+        os.write(w, b"x")
+    with pytest.raises(ValueError, match="unknown or expired"):
+        store.take([fid])
+    assert store.expire() == 0
+    os.close(w)

@@ -15,7 +15,7 @@ from sidecar_util import MODEL, filled_device, keys_for, mimo_full, pages_of
 from hicache.api import KeyStatus, PoolInfo, Tier
 from hicache.cache.config import HiCacheConfig
 from hicache.cache.index import HostIndex
-from hicache.memory import shm_dir
+from hicache.memory import MemoryHandle, shm_dir
 from hicache.pools import DeviceKVPool
 from hicache.sidecar.config import ServiceConfig
 from hicache.sidecar.errors import NoSpace
@@ -158,3 +158,39 @@ def test_a_budget_too_small_for_another_pool_is_refused_naming_it() -> None:
         svc.close()
         for d in devs:
             d.close()
+
+
+BAD_REGISTRATIONS = {
+    "missing shm": (8, "", "hicache-no-such-segment", "does not exist"),
+    "pages past the memory": (10**9, "sglang_layer_first", "", r"\(device_pages=1000000000\)"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_REGISTRATIONS))
+def test_a_registration_that_fails_validation_evicts_nothing_from_the_live_pools(bad: str) -> None:
+    pages, layout, shm_name, error = BAD_REGISTRATIONS[bad]
+    svc = budget_service(16 * PAGE / 1e9)
+    dev = filled_device(8, seed=1)
+    try:
+        first = register(svc, dev, "a")
+        keys = keys_for(16, seed=3)
+        for i in range(2):  # its whole share filled
+            stored = svc.offload(f"o{i}", first.pool_id, keys[8 * i : 8 * (i + 1)], list(range(8))).statuses
+            assert stored == (KeyStatus.STORED,) * 8
+        memory = MemoryHandle("shm", dev.nbytes, name=shm_name or dev.handle.name)
+        with pytest.raises(ValueError, match=error):
+            svc.register(
+                "b",
+                geometry=dev.geometry,
+                device_pages=pages,
+                device_memory=memory,
+                model_id=MODEL,
+                device_layout=layout,
+            )
+        assert svc.stats(first.pool_id)[0].host_pages == first.host_pages == 16
+        assert svc.lookup(first.pool_id, keys).tiers == (Tier.HOST,) * 16  # no page was evicted for it
+        assert svc.pool_ids == [first.pool_id]
+        svc.check_integrity()
+    finally:
+        svc.close()
+        dev.close()

@@ -165,10 +165,13 @@ def _bad_calls(keys):
         ("evict", (["e", keys[:1], 3],), "either keys or num_pages"),
         ("pin", (["p", [b"x" * 16]],), "keys[0] must be a 32-byte"),
         ("offload", (["o", keys[:2], [0, 1], 1],), "ready_event must be 0 or 1..0"),  # no events registered
+        # a proto's uint64 pages: named as sent, never as the negative int64 they would wrap to
+        ("offload", (["o", keys[:1], [2**64 - 1]],), f"page {2**64 - 1} out of range"),
+        ("reload", (["r", keys[:2], [0, 2**63]],), f"page {2**63} out of range"),
     ]
 
 
-@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("case", range(13))
 def test_bad_input_names_value_and_changes_nothing(case):
     svc = make_service(max_batch=4)
     dev = filled_device(8)
@@ -239,6 +242,36 @@ def test_register_validates_memory_and_hash():
     assert svc.pool_ids == []
     svc.close()
     dev.close()
+
+
+@pytest.mark.parametrize("pages", [9, 10**9])
+def test_an_engine_layout_of_more_pages_than_its_memory_holds_is_invalid(pages: int) -> None:
+    svc = make_service()
+    dev = filled_device(8)
+    try:
+        with pytest.raises(ValueError, match=rf"the memory holds {dev.nbytes} \(device_pages={pages}\)"):
+            svc.register(
+                "r",
+                geometry=dev.geometry,
+                device_pages=pages,
+                device_memory=dev.handle,
+                device_layout="sglang_layer_first",
+            )
+        assert svc.pool_ids == []
+    finally:
+        svc.close()
+        dev.close()
+
+
+def test_transfers_on_a_closing_pool_are_state_errors(setup):
+    svc, _, info = setup
+    svc.pool(info.pool_id).close()  # unregister's window: closed, still listed until removed
+    for call in (
+        lambda: svc.offload("o", info.pool_id, keys_for(1), [0]),
+        lambda: svc.reload("r", info.pool_id, keys_for(1), [0]),
+    ):
+        with pytest.raises(StateError, match="is closed"):  # not a stat of the engine's closed fd
+            call()
 
 
 def test_no_space_for_another_pool_and_host_size_from_gb():
