@@ -219,8 +219,10 @@ class StorageTier(ABC):
             self._watchers = (*self._watchers, watcher)
 
     def remove_watcher(self, watcher: Callable[[str, list[bytes]], None]) -> None:
+        """Stop calling `watcher`: any watcher equal to it (obj.method is a new bound method
+        on each access, equal to the one added, not the same object)."""
         with self._stats_lock:
-            self._watchers = tuple(w for w in self._watchers if w is not watcher)
+            self._watchers = tuple(w for w in self._watchers if w != watcher)
 
     def _changed(self, change: str, keys: list[bytes]) -> None:
         if keys:

@@ -103,3 +103,22 @@ def test_a_page_whose_flush_failed_is_not_acknowledged_and_not_served(tmp_path, 
     assert (s.writes, s.write_failures, s.errors) == (1 + sum(want), want.count(False), 1)
     assert bytes(tier.get(key(0))) == payload(G, 0)
     tier.check_integrity()
+
+
+class Recorder:
+    """A watcher as the sidecar's event hub is one: a bound method, made anew on each access."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def storage(self, change: str, keys: list[bytes]) -> None:
+        self.seen.append(change)
+
+
+def test_a_watcher_added_as_a_bound_method_is_removed_by_another_access_to_it(tmp_path):
+    tier = FileTier(identity(G), tmp_path, fsync=False)
+    recorder = Recorder()
+    tier.add_watcher(recorder.storage)
+    assert tier.set(key(0), payload(G, 0)) and recorder.seen == ["stored"]
+    tier.remove_watcher(recorder.storage)  # not the same object as the one added
+    assert tier.set(key(1), payload(G, 1)) and recorder.seen == ["stored"]
