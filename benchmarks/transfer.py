@@ -280,8 +280,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fns["reload_kernel"] = lambda: copy_pages_triton(host, device, rel_plan)
     streamed = engine.backend == "native"
     if streamed:
-        fns["d2h_stream"] = stream_memcpy(device, host, nbytes, engine.shares)
-        fns["h2d_stream"] = stream_memcpy(host, device, nbytes, engine.shares)
+        fns["d2h_stream"] = stream_memcpy(device, host, nbytes, engine.threads)
+        fns["h2d_stream"] = stream_memcpy(host, device, nbytes, engine.threads)
     rounds = interleaved(fns, args.repeat, dev_name)
     gb = nbytes / 1e9
     med = {k: statistics.median(v) for k, v in rounds.items()}

@@ -231,7 +231,7 @@ class RegisteredPool:
         free): the engine waits on the slot's words; Watch still has every event."""
         assert self.progress is not None
         progress = self.progress
-        taken = progress.acquire(self.engine.shares)
+        taken = progress.acquire()
         if taken is None:
             return self._start_worker(op, statuses, nbytes, args, None)
         slot, generation, words = taken

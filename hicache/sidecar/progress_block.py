@@ -3,8 +3,8 @@ sidecar's copy publishes each layer-wise reload's progress, so that an engine wa
 layer on a futex in its own process instead of on a gRPC stream message per layer.
 
 The block is SLOTS slots of 16 32-bit words: word 0 is the slot's generation (bumped each
-time it is handed to a reload), words 1.. are the progress words of the reload's copy
-shares (hicache.transfer.progress). ReloadResponse names the slot, its generation and how
+time it is handed to a reload), words 1.. are the reload's progress words (one for a native
+copy; hicache.transfer.progress). ReloadResponse names the slot, its generation and how
 many words the reload uses. Slots are reused oldest first; a reader that finds another
 generation in its slot (a reload long finished) asks Watch instead.
 """
@@ -20,7 +20,7 @@ from hicache.memory import create_shm
 from hicache.transfer.progress import SLOT_WORDS, ProgressWords
 
 SLOTS = 256
-MAX_SHARES = SLOT_WORDS - 1
+MAX_WORDS = SLOT_WORDS - 1
 
 
 class ProgressBlock:
@@ -41,10 +41,11 @@ class ProgressBlock:
     def nbytes(self) -> int:
         return self.memory.nbytes
 
-    def acquire(self, shares: int) -> tuple[int, int, ProgressWords] | None:
-        """(slot, generation, the slot's first `shares` words, zeroed), or None when every
-        slot is in use (the reload then reports through Watch only)."""
-        shares = max(1, min(shares, MAX_SHARES))
+    def acquire(self, count: int = 1) -> tuple[int, int, ProgressWords] | None:
+        """(slot, generation, the slot's first `count` progress words, zeroed), or None when
+        every slot is in use (the reload then reports through Watch only). A native copy
+        counts into one word; a reader waits for every word the answer names."""
+        count = max(1, min(count, MAX_WORDS))
         with self._lock:
             if not self._free:
                 return None
@@ -52,7 +53,7 @@ class ProgressBlock:
             self._generation = self._generation % 0xFFFFFFFE + 1
             generation = self._generation
         row = self.words[slot]
-        words = ProgressWords(row[1 : 1 + shares])
+        words = ProgressWords(row[1 : 1 + count])
         ProgressWords(row[:1]).publish(0, 0)  # first invalid: a reader of the old reload stops trusting it
         row[1:] = 0
         words.publish(0, 0)  # a fence: the zeros are visible before the new generation

@@ -2,15 +2,16 @@
  * descriptors of a large transfer are planned in _native_plan.c).
  *
  * A copy descriptor is six int64s: (dst, src, rows, row_bytes, dst_stride, src_stride),
- * byte offsets into two flat buffers. copy_shares() takes a private copy of a transfer's
- * descriptors, cut into shares and, within each, into layers; it checks every descriptor
- * against both buffers' sizes before it copies anything (rows must not overlap on the
- * destination, which also bounds the work), then runs the shares in the calling thread and
- * on the copy crew's threads (_native_crew.c), all without the GIL. After each layer, a share stores the
- * count of layers it has done into its 32-bit progress word (release order) and wakes its
- * futex waiters, so another thread, or another process that maps the word (a shared-memory
- * progress block), waits for a layer with wait_progress() without holding the GIL and
- * without a message per layer.
+ * byte offsets into two flat buffers. copy_pieces() takes a private copy of a transfer's
+ * descriptors, layer by layer, and checks every one against both buffers' sizes before it
+ * copies anything (rows must not overlap on the destination, which also bounds the work). It
+ * cuts each layer into pieces of about equal bytes, which the calling thread and the copy
+ * crew's threads (_native_crew.c) take one at a time, in order, all without the GIL. Once a
+ * layer and every one before it are copied, the thread that finished the last of their
+ * pieces raises the transfer's 32-bit progress word to the count of layers done (release
+ * order) and wakes its futex waiters, so another thread, or another process that maps the
+ * word (a shared-memory progress block), waits for a layer with wait_progress() without
+ * holding the GIL and without a message per layer.
  *
  * With streaming=True, x86-64 builds write with non-temporal stores: a transfer larger than
  * the caches saves the read-for-ownership traffic that ordinary stores cost (each destination
@@ -280,15 +281,36 @@ static PyObject *wait_progress(PyObject *self, PyObject *args) {
 
 /* ---- one call, several threads ------------------------------------------------------ */
 
-void run_share(const Share *sh) {
-    for (Py_ssize_t i = 0; i < sh->layers; i++) {
-        int64_t first = i == 0 ? 0 : sh->ends[i - 1];
-        Py_ssize_t count = (Py_ssize_t)(sh->ends[i] - first);
-        if (count > 0)
-            copy_all(sh->dst, sh->src, sh->descs + first, count, sh->group < count ? sh->group : count, sh->streaming);
-        if (sh->progress != NULL)
-            publish_word(sh->progress, (uint32_t)(i + 1));
-    }
+/* Raise *word to value unless it is already there (or FAILED, the largest value), and wake
+ * its waiters: threads that finish layers out of order never move it back. */
+static void raise_word(uint32_t *word, uint32_t value) {
+    uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    while (seen < value)
+        if (__atomic_compare_exchange_n(word, &seen, value, 0, __ATOMIC_RELEASE, __ATOMIC_ACQUIRE)) {
+            publish_word(word, value);
+            return;
+        }
+}
+
+/* Count the layers done from the first one on, after a thread has finished the last piece of
+ * a layer; publish the count when it grew. */
+static void advance(Job *job) {
+    uint32_t done = __atomic_load_n(&job->layers_done, __ATOMIC_ACQUIRE);
+    while ((Py_ssize_t)done < job->layers && __atomic_load_n(&job->left[done], __ATOMIC_ACQUIRE) == 0)
+        if (__atomic_compare_exchange_n(&job->layers_done, &done, done + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            done++;
+    if (job->progress != NULL)
+        raise_word(job->progress, done);
+}
+
+void run_piece(Job *job, Py_ssize_t i) {
+    const Piece *p = &job->pieces[i];
+    Py_ssize_t count = p->stop - p->first;
+    if (count > 0)
+        copy_all(job->dst, job->src, job->descs + p->first, count, job->group < count ? job->group : count,
+                 job->streaming);
+    if (__atomic_sub_fetch(&job->left[p->layer], 1, __ATOMIC_ACQ_REL) == 0)
+        advance(job);
 }
 
 /* ends as a private int64 copy checked against n descriptors, or NULL with an exception. */
@@ -310,116 +332,165 @@ static int64_t *load_ends(PyObject *ends_obj, Py_ssize_t n, Py_ssize_t *layers_o
     }
     memcpy(ends, v.buf, (size_t)layers * sizeof(int64_t));
     PyBuffer_Release(&v);
+    *layers_out = layers;
+    return ends;
+}
+
+/* Whether ends (layers entries) rise to n; ValueError otherwise. */
+static int check_ends(const int64_t *ends, Py_ssize_t layers, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < layers; i++) {
         int64_t before = i == 0 ? 0 : ends[i - 1];
         if (ends[i] < before || ends[i] > n || (i == layers - 1 && ends[i] != n)) {
             PyErr_Format(PyExc_ValueError, "layer_ends must rise to the descriptor count %zd; entry %zd is %lld", n, i,
                          (long long)ends[i]);
-            PyMem_Free(ends);
-            return NULL;
+            return -1;
         }
     }
     if (layers == 0 && n != 0) {
         PyErr_Format(PyExc_ValueError, "%zd descriptors but no layer", n);
-        PyMem_Free(ends);
-        return NULL;
+        return -1;
     }
-    *layers_out = layers;
-    return ends;
+    if (layers > MAX_PIECES / 2) {
+        PyErr_Format(PyExc_ValueError, "%zd layers is more than one copy runs (%d)", layers, MAX_PIECES / 2);
+        return -1;
+    }
+    return 0;
 }
 
-void free_shares(Share *shares, Py_ssize_t count) {
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyMem_Free(shares[i].descs);
-        PyMem_Free(shares[i].ends);
-    }
-    PyMem_Free(shares);
+static int64_t desc_bytes(const CopyDesc *c) { return c->rows * c->row_bytes; /* checked: within a buffer */ }
+
+/* The bytes of every descriptor together, at most INT64_MAX. */
+static int64_t total_bytes(const CopyDesc *descs, Py_ssize_t n) {
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (__builtin_add_overflow(total, desc_bytes(&descs[i]), &total))
+            return INT64_MAX;
+    return total;
 }
 
-Share *load_shares(uintptr_t dst_addr, long long dst_size, uintptr_t src_addr, long long src_size,
-                   PyObject *shares_obj, Py_ssize_t group, int streaming, PyObject *progress_obj, Py_ssize_t *count_out) {
-    if (check_buffers(dst_addr, dst_size, src_addr, src_size, group) < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(shares_obj, "shares must be a sequence of (descriptors, layer_ends)");
-    if (seq == NULL)
-        return NULL;
-    PyObject *pseq = PySequence_Fast(progress_obj, "progress_addrs must be a sequence of ints");
-    if (pseq == NULL) {
-        Py_DECREF(seq);
+/* Cut each layer into pieces that end at the first group boundary past piece_bytes (every
+ * layer has at least one piece, maybe empty, so that each layer's end is noticed). Writes
+ * them into `out` when not NULL; returns how many there are. */
+static Py_ssize_t cut_pieces(const CopyDesc *descs, const int64_t *ends, Py_ssize_t layers, Py_ssize_t group,
+                             int64_t piece_bytes, Piece *out) {
+    Py_ssize_t count = 0;
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        Py_ssize_t first = l == 0 ? 0 : (Py_ssize_t)ends[l - 1], stop = (Py_ssize_t)ends[l], start = first;
+        int64_t bytes = 0;
+        for (Py_ssize_t i = first; i < stop; i++) {
+            if (__builtin_add_overflow(bytes, desc_bytes(&descs[i]), &bytes))
+                bytes = INT64_MAX;
+            int at_group_end = (i + 1 - first) % group == 0 || i + 1 == stop;
+            if (at_group_end && (bytes >= piece_bytes || i + 1 == stop)) {
+                if (out != NULL)
+                    out[count] = (Piece){start, i + 1, l};
+                count++;
+                start = i + 1;
+                bytes = 0;
+            }
+        }
+        if (start == first && stop == first) { /* an empty layer */
+            if (out != NULL)
+                out[count] = (Piece){first, first, l};
+            count++;
+        }
+    }
+    return count;
+}
+
+void free_job(Job *job) {
+    if (job == NULL)
+        return;
+    PyMem_Free(job->descs);
+    PyMem_Free(job->pieces);
+    PyMem_Free(job->left);
+    PyMem_Free(job);
+}
+
+Job *new_job(char *dst, const char *src, CopyDesc *descs, Py_ssize_t n, const int64_t *ends, Py_ssize_t layers,
+             Py_ssize_t group, int streaming, Py_ssize_t threads, int64_t piece_bytes, uint32_t *progress) {
+    if (check_ends(ends, layers, n) < 0) {
+        PyMem_Free(descs);
         return NULL;
     }
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    if (count < 1 || count > MAX_SHARES || PySequence_Fast_GET_SIZE(pseq) != count) {
-        PyErr_Format(PyExc_ValueError, "need 1 to %d shares and one progress address each, got %zd and %zd",
-                     MAX_SHARES, count, PySequence_Fast_GET_SIZE(pseq));
-        Py_DECREF(seq);
-        Py_DECREF(pseq);
+    if (threads < 1 || threads > MAX_THREADS) {
+        PyMem_Free(descs);
+        PyErr_Format(PyExc_ValueError, "threads must be 1 to %d, got %zd", MAX_THREADS, threads);
         return NULL;
     }
-    Share *shares = PyMem_Calloc((size_t)count, sizeof(Share));
-    if (shares == NULL) {
-        Py_DECREF(seq);
-        Py_DECREF(pseq);
+    Job *job = PyMem_Calloc(1, sizeof(Job));
+    if (job == NULL) {
+        PyMem_Free(descs);
         PyErr_NoMemory();
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        PyObject *descs_obj, *ends_obj;
-        uintptr_t progress;
-        Py_ssize_t n;
-        if (!PyArg_ParseTuple(item, "OO", &descs_obj, &ends_obj) ||
-            !to_address(PySequence_Fast_GET_ITEM(pseq, i), &progress))
-            goto fail;
-        if (progress % 4 != 0) {
-            PyErr_Format(PyExc_ValueError, "progress word %zd must be 4-byte aligned", i);
-            goto fail;
-        }
-        shares[i].descs = load_descs(descs_obj, &n, dst_size, src_size);
-        if (shares[i].descs == NULL)
-            goto fail;
-        shares[i].ends = load_ends(ends_obj, n, &shares[i].layers);
-        if (shares[i].ends == NULL)
-            goto fail;
-        shares[i].dst = (char *)dst_addr;
-        shares[i].src = (const char *)src_addr;
-        shares[i].group = group;
-        shares[i].streaming = streaming;
-        shares[i].progress = (uint32_t *)progress;
+    *job = (Job){dst, src, descs, NULL, NULL, 0, layers, group, threads, 0, streaming, progress};
+    /* each layer has fewer than bytes / piece_bytes + 2 pieces: keep the count in bounds */
+    int64_t floor_bytes = total_bytes(descs, n) / (MAX_PIECES - 2 * layers) + 1;
+    if (piece_bytes <= 0 || threads == 1)
+        piece_bytes = INT64_MAX; /* one thread: one piece per layer */
+    else if (piece_bytes < floor_bytes)
+        piece_bytes = floor_bytes;
+    job->count = cut_pieces(descs, ends, layers, group, piece_bytes, NULL);
+    job->pieces = PyMem_Malloc((size_t)(job->count > 0 ? job->count : 1) * sizeof(Piece));
+    job->left = PyMem_Calloc((size_t)(layers > 0 ? layers : 1), sizeof(uint32_t));
+    if (job->pieces == NULL || job->left == NULL) {
+        free_job(job);
+        PyErr_NoMemory();
+        return NULL;
     }
-    Py_DECREF(seq);
-    Py_DECREF(pseq);
-    *count_out = count;
-    return shares;
-fail:
-    Py_DECREF(seq);
-    Py_DECREF(pseq);
-    free_shares(shares, count);
-    return NULL;
+    cut_pieces(descs, ends, layers, group, piece_bytes, job->pieces);
+    for (Py_ssize_t i = 0; i < job->count; i++)
+        job->left[job->pieces[i].layer]++;
+    return job;
 }
 
-/* copy_shares(dst_addr, dst_size, src_addr, src_size, shares, group, streaming, progress_addrs):
- * shares is a sequence of (descriptors, layer_ends), progress_addrs one address (0: none) per
- * share. The calling thread and the copy crew run them (run_shares); returns when all are
- * done. Everything is checked before any copy starts. */
-static PyObject *copy_shares(PyObject *self, PyObject *args) {
-    uintptr_t dst_addr, src_addr;
-    long long dst_size, src_size;
-    PyObject *shares_obj, *progress_obj;
-    Py_ssize_t group, count;
+Job *load_job(uintptr_t dst_addr, long long dst_size, uintptr_t src_addr, long long src_size, PyObject *descs_obj,
+              PyObject *ends_obj, Py_ssize_t group, int streaming, Py_ssize_t threads, long long piece_bytes,
+              uintptr_t progress) {
+    Py_ssize_t n, layers;
+    if (check_buffers(dst_addr, dst_size, src_addr, src_size, group) < 0)
+        return NULL;
+    if (progress % 4 != 0) {
+        PyErr_Format(PyExc_ValueError, "the progress word must be 4-byte aligned");
+        return NULL;
+    }
+    CopyDesc *descs = load_descs(descs_obj, &n, dst_size, src_size);
+    if (descs == NULL)
+        return NULL;
+    int64_t *ends = load_ends(ends_obj, n, &layers);
+    if (ends == NULL) {
+        PyMem_Free(descs);
+        return NULL;
+    }
+    Job *job = new_job((char *)dst_addr, (const char *)src_addr, descs, n, ends, layers, group, streaming, threads,
+                       piece_bytes, (uint32_t *)progress);
+    PyMem_Free(ends);
+    return job;
+}
+
+/* copy_pieces(dst_addr, dst_size, src_addr, src_size, descs, layer_ends, group, streaming,
+ * threads, piece_bytes, progress_addr): the calling thread and up to threads - 1 of the copy
+ * crew take the job's pieces in order (run_job); returns when all are done. Everything is
+ * checked before any copy starts. */
+static PyObject *copy_pieces(PyObject *self, PyObject *args) {
+    uintptr_t dst_addr, src_addr, progress;
+    long long dst_size, src_size, piece_bytes;
+    PyObject *descs_obj, *ends_obj;
+    Py_ssize_t group, threads;
     int streaming, failed;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O&LO&LOnpO", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
-                          &shares_obj, &group, &streaming, &progress_obj))
+    if (!PyArg_ParseTuple(args, "O&LO&LOOnpnLO&", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
+                          &descs_obj, &ends_obj, &group, &streaming, &threads, &piece_bytes, to_address, &progress))
         return NULL;
-    Share *shares =
-        load_shares(dst_addr, dst_size, src_addr, src_size, shares_obj, group, streaming, progress_obj, &count);
-    if (shares == NULL)
+    Job *job = load_job(dst_addr, dst_size, src_addr, src_size, descs_obj, ends_obj, group, streaming, threads,
+                        piece_bytes, progress);
+    if (job == NULL)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    failed = run_shares(shares, count);
+    failed = run_job(job);
     Py_END_ALLOW_THREADS
-    free_shares(shares, count);
+    free_job(job);
     if (failed)
         return PyErr_Format(PyExc_OSError, "a copy thread could not be joined");
     Py_RETURN_NONE;
@@ -469,25 +540,26 @@ static CopyDesc *page_descs(const CopyDesc *tpl, const int64_t *src_step, const 
 }
 
 /* copy_pages(dst_addr, dst_size, src_addr, src_size, template, src_step, dst_step, src_pages,
- * dst_pages, layers, streaming, progress_addr): copy every page pair src_pages[p] ->
- * dst_pages[p] as the template's (k, 6) descriptors of page 0 -> page 0 moved by each row's
- * page steps, in the calling thread without the GIL, layer by layer, storing the count of
- * layers done into the word at progress_addr (0: none). What copy_shares does for one share,
- * without building descriptors in Python first. Everything is checked before any copy. */
+ * dst_pages, layers, streaming, threads, piece_bytes, progress_addr): copy every page pair
+ * src_pages[p] -> dst_pages[p] as the template's (k, 6) descriptors of page 0 -> page 0 moved
+ * by each row's page steps, layer by layer, as copy_pieces does (storing the count of layers
+ * done into the word at progress_addr, 0: none), without descriptors built in Python first.
+ * Everything is checked before any copy. */
 static PyObject *copy_pages(PyObject *self, PyObject *args) {
     uintptr_t dst_addr, src_addr, progress;
-    long long dst_size, src_size;
+    long long dst_size, src_size, piece_bytes;
     PyObject *tpl_obj, *sstep_obj, *dstep_obj, *spages_obj, *dpages_obj;
-    Py_ssize_t layers;
-    int streaming;
+    Py_ssize_t layers, threads;
+    int streaming, failed;
     Py_buffer views[5];
     int got = 0;
     PyObject *result = NULL;
     CopyDesc *descs = NULL;
+    int64_t *ends = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O&LO&LOOOOOnpO&", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
-                          &tpl_obj, &sstep_obj, &dstep_obj, &spages_obj, &dpages_obj, &layers, &streaming, to_address,
-                          &progress))
+    if (!PyArg_ParseTuple(args, "O&LO&LOOOOOnpnLO&", to_address, &dst_addr, &dst_size, to_address, &src_addr,
+                          &src_size, &tpl_obj, &sstep_obj, &dstep_obj, &spages_obj, &dpages_obj, &layers, &streaming,
+                          &threads, &piece_bytes, to_address, &progress))
         return NULL;
     if (check_buffers(dst_addr, dst_size, src_addr, src_size, 1) < 0)
         return NULL;
@@ -509,25 +581,30 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     }
     descs = page_descs(views[0].buf, views[1].buf, views[2].buf, k, layers, views[3].buf, views[4].buf, n, dst_size,
                        src_size);
-    if (descs == NULL)
-        goto done;
-    int64_t *ends = PyMem_Malloc((size_t)layers * sizeof(int64_t));
-    if (ends == NULL) {
-        PyErr_NoMemory();
+    ends = PyMem_Malloc((size_t)layers * sizeof(int64_t));
+    if (descs == NULL || ends == NULL) {
+        if (ends == NULL && !PyErr_Occurred())
+            PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t l = 0; l < layers; l++)
         ends[l] = (int64_t)(l + 1) * (int64_t)(k / layers) * (int64_t)n;
-    Share share = {(char *)dst_addr, (const char *)src_addr, descs, ends, layers, 1, streaming,
-                   (uint32_t *)progress};
+    Job *job = new_job((char *)dst_addr, (const char *)src_addr, descs, k * n, ends, layers, 1, streaming, threads,
+                       piece_bytes, (uint32_t *)progress);
+    descs = NULL; /* the job's now, or freed */
+    if (job == NULL)
+        goto done;
     Py_BEGIN_ALLOW_THREADS
-    run_share(&share);
+    failed = run_job(job);
     Py_END_ALLOW_THREADS
-    PyMem_Free(ends);
-    result = Py_None;
-    Py_INCREF(result);
+    free_job(job);
+    if (failed)
+        PyErr_Format(PyExc_OSError, "a copy thread could not be joined");
+    else
+        result = Py_NewRef(Py_None);
 done:
     PyMem_Free(descs);
+    PyMem_Free(ends);
     for (int i = 0; i < got; i++)
         PyBuffer_Release(&views[i]);
     return result;
@@ -538,17 +615,18 @@ static PyMethodDef methods[] = {
      "wait_progress(addr, target, timeout_s) -> int\n\n"
      "Wait, without the GIL, until the 32-bit word at addr is >= target or timeout_s seconds\n"
      "pass (< 0: no limit); returns the value read last."},
-    {"copy_shares", copy_shares, METH_VARARGS,
-     "copy_shares(dst_addr, dst_size, src_addr, src_size, shares, group, streaming, progress_addrs) -> None\n\n"
-     "copy_layers for several shares at once: in this thread and on the copy crew's threads, all\n"
-     "without the GIL; shares is a sequence of (descriptors, layer_ends) and\n"
-     "progress_addrs one word address (0: none) per share. Checks everything first."},
+    {"copy_pieces", copy_pieces, METH_VARARGS,
+     "copy_pieces(dst_addr, dst_size, src_addr, src_size, descs, layer_ends, group, streaming, threads,\n"
+     "            piece_bytes, progress_addr) -> None\n\n"
+     "Copy the (n, 6) descriptors, layer l ending at descriptor layer_ends[l], cut into pieces of\n"
+     "about piece_bytes that this thread and up to threads - 1 of the copy crew's take in order,\n"
+     "without the GIL, storing the count of layers done into the word at progress_addr (0: none).\n"
+     "Checks everything first."},
     {"copy_pages", copy_pages, METH_VARARGS,
      "copy_pages(dst_addr, dst_size, src_addr, src_size, template, src_step, dst_step, src_pages, dst_pages,\n"
-     "           layers, streaming, progress_addr) -> None\n\n"
-     "A small transfer in this thread, without the GIL: the (k, 6) page-0 template moved to every\n"
-     "page pair by its rows' page steps, layer by layer (template row j: layer j % layers),\n"
-     "publishing layers into the word at progress_addr (0: none). Checks everything first."},
+     "           layers, streaming, threads, piece_bytes, progress_addr) -> None\n\n"
+     "copy_pieces of the (k, 6) page-0 template moved to every page pair by its rows' page steps,\n"
+     "layer by layer (template row j: layer j % layers). Checks everything first."},
     {"build_descriptors", build_descriptors, METH_VARARGS,
      "build_descriptors(src_strides, dst_strides, page_size, src_pages, dst_pages, layers, by_layer, key_is_src)\n"
      "-> (descriptors, positions)\n\n"
@@ -557,9 +635,6 @@ static PyMethodDef methods[] = {
     {"merge_descriptors", merge_descriptors, METH_VARARGS,
      "merge_descriptors(descs, positions_or_None, layers, cap) -> (descriptors, layer_ends)\n\n"
      "Join single-row copies that continue each other (cap <= 0: none); see _native_plan.c."},
-    {"split_descriptors", split_descriptors, METH_VARARGS,
-     "split_descriptors(descs, layer_ends, group, shares, per_layer) -> [(descriptors, layer_ends)]\n\n"
-     "Cut copies into shares of about equal bytes, between groups; see _native_plan.c."},
     {"publish", publish, METH_VARARGS,
      "publish(addr, value) -> None\n\nStore value into the 32-bit word at addr and wake its waiters."},
     {NULL, NULL, 0, NULL},

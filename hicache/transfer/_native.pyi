@@ -1,18 +1,20 @@
 # Stub for the C extension built from _native.c, _native_plan.c, _native_queue.c and _native_crew.c (see hicache/transfer/native.py).
-from collections.abc import Sequence
 from typing import Any
 
 HAVE_STREAMING_STORES: int
 
-def copy_shares(
+def copy_pieces(
     dst_addr: int,
     dst_size: int,
     src_addr: int,
     src_size: int,
-    shares: Sequence[tuple[Any, Any]],
+    descs: Any,
+    layer_ends: Any,
     group: int,
     streaming: bool,
-    progress_addrs: Sequence[int],
+    threads: int,
+    piece_bytes: int,
+    progress_addr: int,
     /,
 ) -> None: ...
 def copy_pages(
@@ -27,6 +29,8 @@ def copy_pages(
     dst_pages: Any,
     layers: int,
     streaming: bool,
+    threads: int,
+    piece_bytes: int,
     progress_addr: int,
     /,
 ) -> None: ...
@@ -44,9 +48,6 @@ def build_descriptors(
     /,
 ) -> tuple[bytearray, bytearray]: ...
 def merge_descriptors(descs: Any, positions: Any, layers: int, cap: int, /) -> tuple[bytearray, bytearray]: ...
-def split_descriptors(
-    descs: Any, layer_ends: Any, group: int, shares: int, per_layer: bool, /
-) -> list[tuple[bytearray, bytearray]]: ...
 
 class CopyQueue:
     def __init__(self) -> None: ...
@@ -56,10 +57,13 @@ class CopyQueue:
         dst_size: int,
         src_addr: int,
         src_size: int,
-        shares: Sequence[tuple[Any, Any]],
+        descs: Any,
+        layer_ends: Any,
         group: int,
         streaming: bool,
-        progress_addrs: Sequence[int],
+        threads: int,
+        piece_bytes: int,
+        progress_addr: int,
         keep: object,
         /,
     ) -> None: ...

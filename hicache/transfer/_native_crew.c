@@ -1,19 +1,20 @@
-/* The copy crew: threads that stay between calls, so that a transfer cut into several shares
- * does not start and join a thread per share (about 30 us each on a 2-core VM, more than
- * copying a whole page).
+/* The copy crew: threads that stay between calls, so that a transfer copied by several
+ * threads does not start and join a thread per call (about 30 us each on a 2-core VM, more
+ * than copying a whole page).
  *
- * run_shares() posts its shares as the crew's job and wakes the members; then the calling
- * thread and the members take shares one at a time until none is left, and the caller waits
- * for those it did not run itself. A member that is slow to wake (its core busy) finds
- * nothing left to take, so a call is never slower than the caller copying alone, however
- * busy the machine (but for a layer-wise transfer, below). Which shares are left is one 64-bit word, the `claim`: the job's
- * generation, its share count and the next share to take, so that a member that wakes for a
- * job already done cannot take a share of the next one (its compare-and-swap fails on the
- * generation). A member that has just worked spins for a few microseconds before it sleeps on
- * the futex, so back-to-back transfers find it awake.
+ * run_job() posts its job and wakes as many members as the job may use; then the calling
+ * thread and the members take the job's pieces one at a time, in order, until none is left,
+ * and the caller waits for those it did not run itself. A member that is slow to wake (its
+ * core busy) finds fewer pieces, or none, left to take, so a call is never much slower than
+ * the caller copying alone, however busy the machine: at worst it waits for the one piece a
+ * member holds. Which pieces are left is one 64-bit word, the `claim`: the job's generation
+ * (24 bits), its piece count and the next piece to take (20 bits each), so that a member that
+ * wakes for a job already done cannot take a piece of the next one (its compare-and-swap
+ * fails on the generation). A member that has just worked spins for a few microseconds
+ * before it sleeps on the futex, so back-to-back transfers find it awake.
  *
  * One call uses the crew at a time; a call that finds it in use (another thread's transfer,
- * or the copy queue's) starts threads of its own for its shares, as before the crew. A forked
+ * or the copy queue's) starts threads of its own that take its pieces the same way. A forked
  * child starts with no crew (fork copies no thread) and hires one when it first needs it.
  */
 #include "_native.h"
@@ -30,12 +31,12 @@
 
 enum { SPIN_NS = 30000 }; /* how long a member or the caller spins before it sleeps */
 
-static uint32_t generation;  /* bumped per job: the members' futex word */
-static uint64_t claim;       /* generation << 32 | share count << 16 | next share to take */
-static const Share *job;     /* the job's shares, valid while the job has one not yet done */
-static uint32_t done;        /* shares of the job done: the caller's futex word */
-static uint32_t busy;        /* 1 while a call uses the crew */
-static int hired;            /* members started; changed only by the call holding `busy` */
+static uint32_t generation; /* bumped per job: the members' futex word */
+static uint64_t claim;      /* generation << 40 | piece count << 20 | next piece to take */
+static Job *job;            /* the posted job, valid while it has a piece not yet done */
+static uint32_t done;       /* pieces of the job done: the caller's futex word */
+static uint32_t busy;       /* 1 while a call uses the crew */
+static int hired;           /* members started; changed only by the call holding `busy` */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void relax(void) {
@@ -89,20 +90,19 @@ static void wake(uint32_t *word, int count) {
 #endif
 }
 
-/* Take and run shares of job `gen` until none is left (or another job is posted), at most
- * `most` of them. */
-static void help(uint32_t gen, int most) {
+enum { PIECE_BITS = 20, GEN_MASK = (1 << 24) - 1 };
+
+/* Take and run pieces of job `gen` until none is left (or another job is posted). */
+static void help(uint32_t gen) {
     uint64_t c = __atomic_load_n(&claim, __ATOMIC_ACQUIRE);
-    int taken = 0;
-    while (taken < most) {
-        uint32_t next = (uint32_t)(c & 0xffff), count = (uint32_t)((c >> 16) & 0xffff);
-        if ((uint32_t)(c >> 32) != gen || next >= count)
+    for (;;) {
+        uint32_t next = (uint32_t)(c & MAX_PIECES), count = (uint32_t)((c >> PIECE_BITS) & MAX_PIECES);
+        if ((uint32_t)(c >> (2 * PIECE_BITS)) != (gen & GEN_MASK) || next >= count)
             return;
-        const Share *shares = __atomic_load_n(&job, __ATOMIC_RELAXED); /* the job's if the swap succeeds */
+        Job *posted = __atomic_load_n(&job, __ATOMIC_RELAXED); /* the job's if the swap succeeds */
         if (!__atomic_compare_exchange_n(&claim, &c, c + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue; /* c now holds the word as it is */
-        taken++;
-        run_share(&shares[next]);
+        run_piece(posted, next);
         if (__atomic_add_fetch(&done, 1, __ATOMIC_ACQ_REL) == count)
             wake(&done, 1);
         c = __atomic_load_n(&claim, __ATOMIC_ACQUIRE);
@@ -113,7 +113,7 @@ static void *serve(void *arg) {
     uint32_t seen = (uint32_t)(uintptr_t)arg; /* the generation when hired */
     for (;;) {
         seen = await_change(&generation, seen);
-        help(seen, MAX_SHARES);
+        help(seen);
     }
     return NULL;
 }
@@ -135,63 +135,63 @@ static void hire(int want) {
     while (hired < want) {
         pthread_t thread;
         if (pthread_create(&thread, NULL, serve, (void *)(uintptr_t)generation) != 0)
-            break; /* fewer members: the caller takes what they do not (not layer-wise) */
+            break; /* fewer members: the others take what they do not */
         pthread_detach(thread);
         hired++;
     }
     pthread_sigmask(SIG_SETMASK, &before, NULL);
 }
 
-static void *run_alone(void *share) {
-    run_share(share);
+/* Threads started for one call (while another call uses the crew) take its pieces through
+ * a counter of the call's own. */
+typedef struct {
+    Job *job;
+    Py_ssize_t next;
+} Local;
+
+static void *take_local(void *arg) {
+    Local *local = arg;
+    Py_ssize_t i;
+    while ((i = __atomic_fetch_add(&local->next, 1, __ATOMIC_ACQ_REL)) < local->job->count)
+        run_piece(local->job, i);
     return NULL;
 }
 
-/* The shares on threads started for this call (while another call uses the crew). */
-static int run_on_new_threads(const Share *shares, Py_ssize_t count) {
-    pthread_t threads[MAX_SHARES];
+static int run_on_new_threads(Job *j) {
+    pthread_t threads[MAX_THREADS];
+    Local local = {j, 0};
     Py_ssize_t started = 0;
     int failed = 0;
-    for (Py_ssize_t i = 1; i < count; i++) {
-        if (pthread_create(&threads[i], NULL, run_alone, (void *)&shares[i]) != 0)
-            break;
-        started = i;
-    }
-    run_share(&shares[0]);
-    for (Py_ssize_t i = started + 1; i < count; i++) /* threads that could not start: run here */
-        run_share(&shares[i]);
-    for (Py_ssize_t i = 1; i <= started; i++)
+    while (started < j->threads - 1 && started < j->count - 1 &&
+           pthread_create(&threads[started], NULL, take_local, &local) == 0)
+        started++;
+    take_local(&local);
+    for (Py_ssize_t i = 0; i < started; i++)
         failed |= pthread_join(threads[i], NULL) != 0;
     return failed;
 }
 
-int run_shares(const Share *shares, Py_ssize_t count) {
-    if (count <= 1) {
-        if (count == 1)
-            run_share(&shares[0]);
+int run_job(Job *j) {
+    Py_ssize_t helpers = j->threads - 1 < j->count - 1 ? j->threads - 1 : j->count - 1;
+    if (helpers <= 0) {
+        for (Py_ssize_t i = 0; i < j->count; i++)
+            run_piece(j, i);
         return 0;
     }
     pthread_once(&once, register_fork_handler);
     if (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE) != 0)
-        return run_on_new_threads(shares, count);
-    int layered = shares[0].progress != NULL;
-    hire((int)count - 1);
-    if (layered && hired < (int)count - 1) { /* the caller would not take the shares left over */
-        __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
-        return run_on_new_threads(shares, count);
-    }
+        return run_on_new_threads(j);
+    hire((int)helpers);
     uint32_t gen = generation + 1;
-    __atomic_store_n(&job, shares, __ATOMIC_RELAXED); /* published by the release below */
+    __atomic_store_n(&job, j, __ATOMIC_RELAXED); /* published by the release below */
     __atomic_store_n(&done, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&claim, (uint64_t)gen << 32 | (uint64_t)count << 16, __ATOMIC_RELEASE);
+    __atomic_store_n(&claim, (uint64_t)(gen & GEN_MASK) << (2 * PIECE_BITS) | (uint64_t)j->count << PIECE_BITS,
+                     __ATOMIC_RELEASE);
     __atomic_store_n(&generation, gen, __ATOMIC_RELEASE);
-    wake(&generation, (int)count - 1);
-    /* A layer-wise transfer's shares each hold a part of every layer: one share run after
-     * another would hold back every layer's end until the last share, so the caller runs one
-     * and leaves the others to the members, however late they start. */
-    help(gen, layered ? 1 : MAX_SHARES);
+    wake(&generation, (int)helpers);
+    help(gen);
     uint32_t now;
-    while ((now = __atomic_load_n(&done, __ATOMIC_ACQUIRE)) != (uint32_t)count)
+    while ((now = __atomic_load_n(&done, __ATOMIC_ACQUIRE)) != (uint32_t)j->count)
         await_change(&done, now);
     __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
     return 0;

@@ -1,8 +1,8 @@
 /* hicache.transfer._native.CopyQueue: asynchronous transfers with no Python thread.
  *
- * submit() checks a transfer's shares (as copy_shares does) with the GIL held and queues it;
- * one thread of the queue's own, started by the first submit, runs the transfers in order
- * (each as run_shares: in that thread and on the copy crew's). The
+ * submit() checks a transfer (as copy_pieces does) with the GIL held and queues it; one
+ * thread of the queue's own, started by the first submit, runs the transfers in order (each
+ * as run_job: in that thread and on the copy crew's). The
  * thread never takes the GIL, so a busy Python thread cannot delay the start of a copy, and
  * a transfer's end is known from its progress words alone: nothing has to wake Python.
  *
@@ -17,19 +17,18 @@
 #include <pthread.h>
 #include <unistd.h>
 
-typedef struct Job {
-    struct Job *next;
-    Share *shares;
-    Py_ssize_t count;
+typedef struct Queued {
+    struct Queued *next;
+    Job *job;
     PyObject *keep;
-} Job;
+} Queued;
 
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t lock;
     pthread_cond_t wake;  /* a job queued, or closing */
-    Job *head, *tail;     /* queued, in order */
-    Job *finished;        /* done; their shares and keep are released with the GIL */
+    Queued *head, *tail;     /* queued, in order */
+    Queued *finished;     /* done; their jobs and keep are released with the GIL */
     Py_ssize_t pending;   /* queued or running */
     int closing, running; /* running: the thread is started and not joined */
     pid_t owner;          /* the process that started the thread (a forked child has none) */
@@ -42,17 +41,17 @@ static void *serve(void *arg) {
     for (;;) {
         while (q->head == NULL && !q->closing)
             pthread_cond_wait(&q->wake, &q->lock);
-        Job *job = q->head;
-        if (job == NULL)
+        Queued *item = q->head;
+        if (item == NULL)
             break; /* closing, and nothing left */
-        q->head = job->next;
+        q->head = item->next;
         if (q->head == NULL)
             q->tail = NULL;
         pthread_mutex_unlock(&q->lock);
-        run_shares(job->shares, job->count);
+        run_job(item->job);
         pthread_mutex_lock(&q->lock);
-        job->next = q->finished;
-        q->finished = job;
+        item->next = q->finished;
+        q->finished = item;
         q->pending--;
     }
     pthread_mutex_unlock(&q->lock);
@@ -64,20 +63,20 @@ static void *serve(void *arg) {
  * so the child must not touch them, nor the jobs, which will never run here. */
 static int forked(const CopyQueue *q) { return q->running && q->owner != getpid(); }
 
-/* Drop the finished jobs' shares and references. Needs the GIL. */
+/* Drop the finished jobs and their references. Needs the GIL. */
 static void reap(CopyQueue *q) {
     if (forked(q))
         return;
     pthread_mutex_lock(&q->lock);
-    Job *job = q->finished;
+    Queued *item = q->finished;
     q->finished = NULL;
     pthread_mutex_unlock(&q->lock);
-    while (job != NULL) {
-        Job *next = job->next;
-        free_shares(job->shares, job->count);
-        Py_XDECREF(job->keep);
-        PyMem_Free(job);
-        job = next;
+    while (item != NULL) {
+        Queued *next = item->next;
+        free_job(item->job);
+        Py_XDECREF(item->keep);
+        PyMem_Free(item);
+        item = next;
     }
 }
 
@@ -118,40 +117,41 @@ static void queue_dealloc(CopyQueue *q) {
     Py_TYPE(q)->tp_free((PyObject *)q);
 }
 
-/* submit(dst_addr, dst_size, src_addr, src_size, shares, group, streaming, progress_addrs, keep) */
+/* submit(dst_addr, dst_size, src_addr, src_size, descs, layer_ends, group, streaming, threads,
+ *        piece_bytes, progress_addr, keep) */
 static PyObject *queue_submit(CopyQueue *q, PyObject *args) {
-    uintptr_t dst_addr, src_addr;
-    long long dst_size, src_size;
-    PyObject *shares_obj, *progress_obj, *keep;
-    Py_ssize_t group, count;
+    uintptr_t dst_addr, src_addr, progress;
+    long long dst_size, src_size, piece_bytes;
+    PyObject *descs_obj, *ends_obj, *keep;
+    Py_ssize_t group, threads;
     int streaming;
-    if (!PyArg_ParseTuple(args, "O&LO&LOnpOO", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
-                          &shares_obj, &group, &streaming, &progress_obj, &keep))
+    if (!PyArg_ParseTuple(args, "O&LO&LOOnpnLO&O", to_address, &dst_addr, &dst_size, to_address, &src_addr, &src_size,
+                          &descs_obj, &ends_obj, &group, &streaming, &threads, &piece_bytes, to_address, &progress,
+                          &keep))
         return NULL;
     reap(q);
     if (q->closing)
         return PyErr_Format(PyExc_RuntimeError, "the copy queue is closed");
     if (forked(q)) /* the thread stayed in the parent */
         return PyErr_Format(PyExc_RuntimeError, "the copy queue belongs to process %ld", (long)q->owner);
-    Share *shares =
-        load_shares(dst_addr, dst_size, src_addr, src_size, shares_obj, group, streaming, progress_obj, &count);
-    if (shares == NULL)
+    Job *job = load_job(dst_addr, dst_size, src_addr, src_size, descs_obj, ends_obj, group, streaming, threads,
+                        piece_bytes, progress);
+    if (job == NULL)
         return NULL;
-    Job *job = PyMem_Calloc(1, sizeof(Job));
-    if (job == NULL) {
-        free_shares(shares, count);
+    Queued *item = PyMem_Calloc(1, sizeof(Queued));
+    if (item == NULL) {
+        free_job(job);
         return PyErr_NoMemory();
     }
-    job->shares = shares;
-    job->count = count;
+    item->job = job;
     Py_INCREF(keep);
-    job->keep = keep;
+    item->keep = keep;
     if (!q->running) {
         int err = pthread_create(&q->thread, NULL, serve, q);
         if (err != 0) {
-            free_shares(shares, count);
+            free_job(job);
             Py_DECREF(keep);
-            PyMem_Free(job);
+            PyMem_Free(item);
             errno = err;
             return PyErr_SetFromErrno(PyExc_OSError);
         }
@@ -160,10 +160,10 @@ static PyObject *queue_submit(CopyQueue *q, PyObject *args) {
     }
     pthread_mutex_lock(&q->lock);
     if (q->tail != NULL)
-        q->tail->next = job;
+        q->tail->next = item;
     else
-        q->head = job;
-    q->tail = job;
+        q->head = item;
+    q->tail = item;
     q->pending++;
     pthread_cond_signal(&q->wake);
     pthread_mutex_unlock(&q->lock);
@@ -189,8 +189,9 @@ static PyObject *queue_close(CopyQueue *q, PyObject *noargs) {
 
 static PyMethodDef queue_methods[] = {
     {"submit", (PyCFunction)queue_submit, METH_VARARGS,
-     "submit(dst_addr, dst_size, src_addr, src_size, shares, group, streaming, progress_addrs, keep) -> None\n\n"
-     "Check a transfer as copy_shares does and queue it (ValueError: nothing queued); it runs\n"
+     "submit(dst_addr, dst_size, src_addr, src_size, descs, layer_ends, group, streaming, threads, piece_bytes,\n"
+     "       progress_addr, keep) -> None\n\n"
+     "Check a transfer as copy_pieces does and queue it (ValueError: nothing queued); it runs\n"
      "after the transfers queued before it, and holds a reference to `keep` until done.\n"
      "RuntimeError once closed."},
     {"pending", (PyCFunction)queue_pending, METH_NOARGS, "pending() -> int\n\nTransfers queued or running."},

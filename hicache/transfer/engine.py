@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from hicache.transfer._native import CopyQueue
 
 Backend = Literal["auto", "native", "torch", "triton"]
-MAX_SHARES = 64  # the most threads one C copy call runs (copy_shares)
+MAX_THREADS = 64  # the most threads one C copy call runs (copy_pieces)
 Pool = DeviceKVPool | HostKVPool
 
 
@@ -194,8 +194,8 @@ class TransferEngine:
 
         handle.wait_layer(i) waits for pool-local layer i only, so a forward pass can use
         layer 0 while later layers still load. `progress`: words (zeroed here) the copy
-        publishes each share's layers into (a shared-memory block another process waits on);
-        CPU pools only. `after_layer` (CUDA pools): called with (the layer's position, the copy
+        publishes its count of layers done into (a shared-memory block another process waits
+        on); CPU pools only. `after_layer` (CUDA pools): called with (the layer's position, the copy
         stream) once each layer's copy is queued, to record another event there; all of them
         are called before this returns. Raises ValueError (nothing started) for bad lists or
         device pages an unfinished transfer is writing.
@@ -231,7 +231,7 @@ class TransferEngine:
                 handle = CudaTransferHandle(plan.layers, nbytes, pool, pages, events)
             else:
                 if progress is None and self.backend == "native":
-                    progress = ProgressWords.private(self.shares)
+                    progress = ProgressWords.private(1)
                 if progress is not None:
                     progress.reset()
                 cpu_handle = CpuTransferHandle(plan.layers, nbytes, pool, pages, progress)
@@ -252,16 +252,14 @@ class TransferEngine:
         return self._cuda
 
     @property
-    def shares(self) -> int:
-        """Copy shares of a large CPU transfer: one per copy thread (the progress words a
-        layer-wise reload can use)."""
-        return min(MAX_SHARES, self._copy_threads or torch.get_num_threads())
+    def threads(self) -> int:
+        """Threads that copy a large CPU transfer (the calling one and the copy crew's)."""
+        return min(MAX_THREADS, self._copy_threads or torch.get_num_threads())
 
-    def _shares_for(self, nbytes: int, words: int = MAX_SHARES) -> int:
-        """Shares of a native transfer of `nbytes`: one per copy thread (at most `words`, the
-        progress words it can publish into) from native.SHARE_MIN_BYTES on, else 1 (this
-        thread only)."""
-        return max(1, min(words, self.shares)) if nbytes >= native.SHARE_MIN_BYTES else 1
+    def _threads_for(self, nbytes: int) -> int:
+        """Threads that copy a native transfer of `nbytes`: all of them from
+        native.SHARE_MIN_BYTES on, else 1 (this thread only)."""
+        return self.threads if nbytes >= native.SHARE_MIN_BYTES else 1
 
     def _drive(self, src: Pool, dst: Pool, plan: TransferPlan, handle: CpuTransferHandle) -> None:
         try:
@@ -277,34 +275,29 @@ class TransferEngine:
             handle.finish()
 
     def _copy_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords) -> None:
-        """Every layer in one C call from this thread (its first share here, the others on
-        the copy crew), each share publishing into its word."""
+        """Every layer of a transfer below native.LAYERED_INLINE_BYTES in one C call from this
+        thread (and the copy crew's), publishing the count of layers done into the first word
+        (the others are done from the start). No descriptors are built in Python."""
         nbytes = plan.num_pages * self.geometry.page_bytes_for(len(plan.layers))
-        if nbytes < native.SMALL_BYTES and self._shares_for(nbytes, len(words)) == 1:  # no descriptors in Python
-            self._publish_spares(words, 1, len(plan.layers))
-            native.copy_small(src, dst, plan, plan.layers, words.addresses[0])
-            return
-        batch = native.layered(src, dst, plan, plan.layers)
-        shares = self._shares_for(batch.nbytes, len(words))
-        self._publish_spares(words, shares, len(plan.layers))
-        native.layered_call(src, dst, batch, words.addresses[:shares])()
+        self._publish_spares(words, len(plan.layers))
+        native.copy_small(src, dst, plan, plan.layers, words.addresses[0], self._threads_for(nbytes))
 
     def _queue_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords) -> None:
         """Plan every layer here (the GIL is held anyway) and queue the copy on the C queue,
-        whose thread starts it without the GIL: its shares, on threads of the C code's own,
-        publish their layers into the words, the handle's only news of the copy."""
+        whose thread starts it without the GIL (with the copy crew): the count of layers done
+        it publishes into the first word is the handle's only news of the copy."""
         batch = native.layered(src, dst, plan, plan.layers)
-        shares = self._shares_for(batch.nbytes, len(words))  # queued ones are past SHARE_MIN_BYTES
-        self._publish_spares(words, shares, len(plan.layers))
+        self._publish_spares(words, len(plan.layers))
         with self._lock:
             if self._queue is None:
                 self._queue = native.copy_queue()
             queue = self._queue
-        native.layered_submit(queue, src, dst, batch, words.addresses[:shares], (src, dst, words))
+        threads = self._threads_for(batch.nbytes)
+        native.layered_submit(queue, src, dst, batch, threads, words.addresses[0], (src, dst, words))
 
     @staticmethod
-    def _publish_spares(words: ProgressWords, shares: int, layers: int) -> None:
-        for spare in range(shares, len(words)):  # words no share writes: done from the start
+    def _publish_spares(words: ProgressWords, layers: int) -> None:
+        for spare in range(1, len(words)):  # the copy publishes into the first word only
             words.publish(spare, layers)
 
     # ---- execution -------------------------------------------------------------------------
@@ -326,12 +319,11 @@ class TransferEngine:
         if self.backend == "native":
             chosen = plan.layers if layers is None else layers
             nbytes = plan.num_pages * self.geometry.page_bytes_for(len(chosen))
-            if nbytes < native.SMALL_BYTES and self._shares_for(nbytes) == 1:
-                native.copy_small(src, dst, plan, chosen)  # one thread's work: no descriptors in Python
+            if nbytes < native.SMALL_BYTES:  # no descriptors in Python
+                native.copy_small(src, dst, plan, chosen, 0, self._threads_for(nbytes))
                 return
             batch = native.descriptors(src, dst, plan, chosen)
-            shares = self._shares_for(batch.nbytes)
-            native.batch_call(src, dst, batch, shares)()
+            native.batch_call(src, dst, batch, self._threads_for(batch.nbytes))()
             return
         runs = None if layers is None else [(layer, 1) for layer in layers]
         dsts, srcs = copy_views(self._views[id(src)], self._views[id(dst)], plan, runs)

@@ -63,7 +63,7 @@ class TransferHandle:
 
 class CpuTransferHandle(TransferHandle):
     """A transfer run by a CPU thread that publishes per-layer progress (into `words` too,
-    when given: one word per copy share, each counting the layers its share has copied)."""
+    when given: see hicache.transfer.progress)."""
 
     def __init__(
         self,

@@ -5,15 +5,16 @@ row_bytes, dst_stride, src_stride) computed from the two layouts' strides, in de
 order; chunks adjacent on both sides (page runs) merge into copies of about MERGE_CAP bytes.
 For a large transfer this planning is C (_native_plan.c) that holds the GIL: numpy would
 hand the GIL to any other busy Python thread on every large operation. The C extension
-(_native.c) copies a whole descriptor array per call with the GIL released, cut into shares
-run by the calling thread and the copy crew, threads of the C code's own that stay between
-calls (_native_crew.c; batch_call), so the Python cost is per transfer, not per
-page, and no Python thread hands work to another. A layer-wise transfer is one such call
-too (layered, layered_call): each share publishes the layers it has done into a progress
-word. An asynchronous one is queued instead (layered_submit) on a C thread that never takes
-the GIL, so a busy Python thread cannot delay its start, and its words alone tell when it
-is done. Transfers below SMALL_BYTES are copied unsorted, their descriptors made from a
-cached page template; below SHARE_MIN_BYTES the calling thread copies them alone, in one C
+(_native.c) copies a whole transfer per call with the GIL released: it cuts each layer into
+pieces of about PIECE_BYTES, which the calling thread and the copy crew (threads of the C
+code's own that stay between calls, _native_crew.c) take one at a time in order, so the
+Python cost is per transfer, not per page, no Python thread hands work to another, and a
+thread whose core is busy takes fewer pieces instead of holding back the rest. A layer-wise
+transfer is one such call too: the count of layers done goes into a progress word. A large
+asynchronous one is queued (layered, layered_submit) on a C thread that never takes the
+GIL, so a busy Python thread cannot delay its start, and its word alone tells when it is
+done. Transfers below SMALL_BYTES are copied unsorted, their descriptors made from
+a cached page template; below SHARE_MIN_BYTES the calling thread copies them alone, in one C
 call that moves the template to each page itself (copy_small); those of STREAM_MIN_BYTES or
 more use non-temporal stores.
 
@@ -44,13 +45,13 @@ try:
 except ImportError:  # built by setup.py where a C compiler exists
     _native = None
 
-MERGE_CAP = 1 << 20  # merged copies end once past this (so at most MERGE_CAP + one chunk): even shares
+MERGE_CAP = 1 << 20  # merged copies end once past this (so at most MERGE_CAP + one chunk): even pieces
 # A plain transfer below SMALL_BYTES is copied chunk by chunk, unsorted: sorting and merging
 # cost more than they save below about 8-16 MB (2-core VM, offload in process: 4 pages
 # 370 -> 200 us, 6 pages 540 -> 410 us).
 SMALL_BYTES = 8 << 20
-# From SHARE_MIN_BYTES on, a transfer is cut into shares, one per copy thread, the others run
-# by the copy crew (_native_crew.c: threads that stay, woken through a futex). 2-core VM,
+# From SHARE_MIN_BYTES on, a transfer is copied by several threads: the caller and the copy
+# crew (_native_crew.c: threads that stay, woken through a futex). 2-core VM,
 # benchmarks/transfer.py, layer_first: 4 pages (5.9 MB) 0.48-0.51 of memcpy -> 0.64-0.78,
 # 16 pages 0.66-0.69 -> 0.96-1.08. One 1.47 MB page copies in 19 us on two threads, 33 on
 # one, back to back; but between other work that keeps the second core (torch's own copy
@@ -58,6 +59,10 @@ SMALL_BYTES = 8 << 20
 SHARE_MIN_BYTES = 2 << 20
 LAYERED_INLINE_BYTES = 4 << 20  # an asynchronous transfer below this runs in the caller, not queued
 STREAM_MIN_BYTES = 16 << 20  # about half the L3 of a server core complex; below it stay cached
+# The threads of a copy take its layers in pieces of about this many bytes (cut between
+# groups): small enough that a thread slowed by a busy core holds back little, large enough
+# that taking one (an atomic on a shared word) costs nothing next to copying it.
+PIECE_BYTES = 512 << 10
 
 DST, SRC, ROWS, ROW_BYTES, DST_STRIDE, SRC_STRIDE = range(6)
 
@@ -135,19 +140,22 @@ def page_template(src: Layout, dst: Layout, page_size: int, layers: tuple[int, .
     return PageTemplate(descs, src_stride, dst_stride)
 
 
-def copy_small(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int], progress: int = 0) -> None:
-    """Copy a transfer of one share (below SHARE_MIN_BYTES, or below SMALL_BYTES with one copy
-    thread) in the calling thread, in one C call without the GIL: the cached page template moved to each page pair in C, layer by
-    layer, each finished layer's count stored into the word at `progress` (0: none). No
-    descriptors are built in Python. Raises ValueError (nothing copied) for a page outside
-    either pool."""
+def copy_small(
+    src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int], progress: int = 0, threads: int = 1
+) -> None:
+    """Copy a transfer below SMALL_BYTES in one C call without the GIL: the cached page
+    template moved to each page pair in C, layer by layer, by the calling thread and up to
+    threads - 1 of the copy crew, the count of layers done stored into the word at
+    `progress` (0: none). No descriptors are built in Python. Raises ValueError (nothing
+    copied) for a page outside either pool."""
     assert _native is not None, "the hicache C extension is not built"
     if len(layers) == 0:
         return
     t = page_template(src.layout, dst.layout, src.geometry.page_size, tuple(layers))
     _native.copy_pages(
         dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes, t.descs, t.src_stride, t.dst_stride,
-        np.ascontiguousarray(plan.src_pages), np.ascontiguousarray(plan.dst_pages), len(layers), False, progress,
+        np.ascontiguousarray(plan.src_pages), np.ascontiguousarray(plan.dst_pages), len(layers), False,
+        threads, PIECE_BYTES, progress,
     )  # fmt: skip
 
 
@@ -231,19 +239,6 @@ def merge(descs: np.ndarray) -> np.ndarray:
     return _descs(merged)
 
 
-def split(batch: CopyBatch, shares: int) -> list[np.ndarray]:
-    """Cut the descriptors into at most `shares` consecutive parts of about equal bytes,
-    cutting only between groups."""
-    if len(batch.descs) == 0:
-        return []
-    if shares == 1:
-        return [batch.descs]
-    assert _native is not None, "the hicache C extension is not built"
-    ends = np.array([len(batch.descs)], dtype=np.int64)
-    parts = _native.split_descriptors(np.ascontiguousarray(batch.descs), ends, batch.group, shares, False)
-    return [_descs(part) for part, _ in parts]
-
-
 @dataclass(frozen=True)
 class LayeredBatch:
     """A whole transfer's descriptors, layer by layer: layer i (of the plan's order) is
@@ -260,17 +255,12 @@ class LayeredBatch:
 
 
 def layered(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int]) -> LayeredBatch:
-    """The descriptors of every layer of a transfer, built at once (see descriptors() for the
-    order within a layer), for one copy_layers call per share."""
+    """The descriptors of every layer of a large transfer, built at once (see descriptors()
+    for the order within a layer), for one copy_pieces call (layered_submit)."""
     count = len(layers)
     if plan.num_pages == 0 or count == 0:
         return LayeredBatch(np.zeros((0, 6), dtype=np.int64), np.zeros(count, dtype=np.int64), moves=0)
     nbytes = plan.num_pages * src.geometry.page_bytes_for(count)
-    if nbytes < LAYERED_INLINE_BYTES:
-        # small: the template's rows (page, buffer, layer) put in layer order, unsorted within
-        descs = small_descriptors(src, dst, plan, layers)
-        order, ends = _layer_order(len(descs), count)
-        return LayeredBatch(descs[order], ends, moves=nbytes)
     strided_src = not all(s.chunk_contiguous for s in src.layout.strides)
     descs, positions = _built(src, dst, plan, layers, by_layer=True, key_is_src=strided_src)
     group = len(src.layout.strides) if strided_src else 1
@@ -278,38 +268,6 @@ def layered(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[i
     assert _native is not None
     merged, ends = _native.merge_descriptors(descs, positions, count, MERGE_CAP if merging else 0)
     return LayeredBatch(_descs(merged), np.frombuffer(ends, dtype=np.int64), group, nbytes)
-
-
-@lru_cache(maxsize=256)
-def _layer_order(rows: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The permutation that puts a small transfer's template rows (page, buffer, layer) in
-    layer order, and each layer's end: fixed for a given row and layer count."""
-    order = np.argsort(np.arange(rows) % count, kind="stable")
-    ends = np.arange(1, count + 1, dtype=np.int64) * (rows // count)
-    order.flags.writeable = ends.flags.writeable = False  # shared between calls
-    return order, ends
-
-
-def layered_shares(batch: LayeredBatch, shares: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Cut every layer of the batch into `shares` parts of about equal bytes (between groups):
-    share t is (descriptors, ends) holding part t of each layer, in layer order."""
-    if shares == 1:
-        return [(batch.descs, batch.ends)]
-    assert _native is not None, "the hicache C extension is not built"
-    parts = _native.split_descriptors(
-        np.ascontiguousarray(batch.descs), np.ascontiguousarray(batch.ends), batch.group, shares, True
-    )
-    return [(_descs(d), np.frombuffer(e, dtype=np.int64)) for d, e in parts]
-
-
-def layered_call(
-    src: FlatPool, dst: FlatPool, batch: LayeredBatch, progress: Sequence[int], streaming: bool | None = None
-) -> Callable[[], None]:
-    """One call that copies the batch in len(progress) shares, in the calling thread and on
-    the copy crew's threads, each share publishing its layers into its word (an address;
-    0: none), without the GIL; returns when all shares are done."""
-    assert _native is not None, "the hicache C extension is not built"
-    return partial(_native.copy_shares, *_layered_args(src, dst, batch, progress, streaming))
 
 
 def copy_queue() -> CopyQueue:
@@ -320,24 +278,25 @@ def copy_queue() -> CopyQueue:
 
 
 def layered_submit(
-    queue: CopyQueue, src: FlatPool, dst: FlatPool, batch: LayeredBatch, progress: Sequence[int], keep: object
+    queue: CopyQueue, src: FlatPool, dst: FlatPool, batch: LayeredBatch, threads: int, progress: int, keep: object
 ) -> None:
-    """Queue the batch as layered_call would copy it and return at once: its shares publish
-    their layers into the words at `progress`, which are then the only sign of its end.
-    `keep` (what owns the two pools' memory and the words) is referenced until it is done.
-    Raises ValueError (nothing queued) for a descriptor outside either pool."""
-    queue.submit(*_layered_args(src, dst, batch, progress, None), keep)
+    """Queue the batch, to be copied on up to `threads` threads (the queue's and the copy
+    crew's) without the GIL, and return at once: the count of layers done goes into the word
+    at `progress`, which is then the only sign of its end. `keep`
+    (what owns the two pools' memory and the word) is referenced until it is done. Raises
+    ValueError (nothing queued) for a descriptor outside either pool."""
+    queue.submit(*_layered_args(src, dst, batch, threads, progress, None), keep)
 
 
 def _layered_args(
-    src: FlatPool, dst: FlatPool, batch: LayeredBatch, progress: Sequence[int], streaming: bool | None
-) -> tuple[int, int, int, int, list[tuple[np.ndarray, np.ndarray]], int, bool, list[int]]:
+    src: FlatPool, dst: FlatPool, batch: LayeredBatch, threads: int, progress: int, streaming: bool | None
+) -> tuple[int, int, int, int, np.ndarray, np.ndarray, int, bool, int, int, int]:
     if streaming is None:
         streaming = batch.nbytes >= STREAM_MIN_BYTES
-    shares = layered_shares(batch, len(progress))
     return (
         dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes,
-        shares, batch.group, streaming, list(progress),
+        np.ascontiguousarray(batch.descs), np.ascontiguousarray(batch.ends), batch.group, streaming,
+        threads, PIECE_BYTES, progress,
     )  # fmt: skip
 
 
@@ -354,16 +313,16 @@ def wait_progress(address: int, target: int, timeout_s: float) -> int:
 
 
 def batch_call(
-    src: FlatPool, dst: FlatPool, batch: CopyBatch, shares: int, streaming: bool | None = None
+    src: FlatPool, dst: FlatPool, batch: CopyBatch, threads: int, streaming: bool | None = None
 ) -> Callable[[], None]:
-    """One call that copies the batch in up to `shares` parts, in the calling thread and on
-    the copy crew's threads (the C code's own), without the GIL."""
+    """One call that copies the batch on up to `threads` threads (the calling one and the copy
+    crew's), without the GIL."""
     assert _native is not None, "the hicache C extension is not built"
     if streaming is None:
         streaming = batch.nbytes >= STREAM_MIN_BYTES
-    parts = split(batch, shares) or [batch.descs]
+    ends = np.array([len(batch.descs)], dtype=np.int64)
     return partial(
-        _native.copy_shares,
+        _native.copy_pieces,
         dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes,
-        [(part, np.array([len(part)], dtype=np.int64)) for part in parts], batch.group, streaming, [0] * len(parts),
+        np.ascontiguousarray(batch.descs), ends, batch.group, streaming, threads, PIECE_BYTES, 0,
     )  # fmt: skip

@@ -1,8 +1,9 @@
-"""Progress words: 32-bit counters of layers done, written by the C copy (copy_layers) after
+"""Progress words: 32-bit counters of layers done, written by the C copy (copy_pieces) after
 each layer and waited on with a futex, without the GIL (wait_progress).
 
-A transfer copied by k threads has k words, one per thread's share of every layer: layer i
-is in place once every word is > i. FAILED in a word means the transfer failed (the
+A transfer has k words (k >= 1): layer i is in place once every word is > i. The native copy
+counts into the first word and sets the others to the layer count when it starts; the torch
+path raises them all together. FAILED in a word means the transfer failed (the
 waiter then asks for the error elsewhere). The words may live in private memory (one
 process) or in a shared-memory progress block that an engine maps (hicache.sidecar.progress).
 """

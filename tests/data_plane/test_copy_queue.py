@@ -31,10 +31,10 @@ class Keep:
     """A `keep` object that can be watched with a weak reference."""
 
 
-def one_copy(dst: np.ndarray, src: np.ndarray) -> tuple[tuple[int, int, int, int], list[tuple[np.ndarray, np.ndarray]]]:
-    """copy_shares' buffer arguments and one share copying all of src into dst, one layer."""
-    descs = np.array([[0, 0, 1, src.nbytes, src.nbytes, src.nbytes]], dtype=np.int64)
-    return (dst.ctypes.data, dst.nbytes, src.ctypes.data, src.nbytes), [(descs, np.array([1], np.int64))]
+def one_copy(dst: np.ndarray, src: np.ndarray, shift: int = 0) -> tuple[int, int, int, int, np.ndarray, np.ndarray]:
+    """copy_pieces' buffer and descriptor arguments: all of src into dst (at `shift`), one layer."""
+    descs = np.array([[shift, 0, 1, src.nbytes, src.nbytes, src.nbytes]], dtype=np.int64)
+    return dst.ctypes.data, dst.nbytes, src.ctypes.data, src.nbytes, descs, np.array([1], np.int64)
 
 
 def test_queued_copies_run_in_the_order_they_were_submitted() -> None:
@@ -46,10 +46,8 @@ def test_queued_copies_run_in_the_order_they_were_submitted() -> None:
     b, c = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
     words = ProgressWords.private(2)
     queue = _native.CopyQueue()
-    bufs, shares = one_copy(b, a)
-    queue.submit(*bufs, shares, 1, True, words.addresses[:1], (a, b))
-    bufs, shares = one_copy(c, b)
-    queue.submit(*bufs, shares, 1, True, words.addresses[1:], (b, c))
+    queue.submit(*one_copy(b, a), 1, True, 2, 1 << 20, words.addresses[0], (a, b))
+    queue.submit(*one_copy(c, b), 1, True, 2, 1 << 20, words.addresses[1], (b, c))
     assert words.wait(1, timeout=60)
     assert np.array_equal(c, a)
     queue.close()
@@ -60,17 +58,15 @@ def test_the_queue_checks_before_it_queues_and_refuses_work_once_closed() -> Non
     from hicache.transfer import _native  # type: ignore[attr-defined]
 
     dst, src = np.zeros(64, np.uint8), np.arange(64, dtype=np.uint8)
-    bufs, shares = one_copy(dst, src)
-    bad = [(shares[0][0] + np.array([[8, 0, 0, 0, 0, 0]]), shares[0][1])]  # writes 8 bytes past dst
     words = ProgressWords.private(1)
     queue = _native.CopyQueue()
     with pytest.raises(ValueError, match="descriptor 0 writes past the destination's 64 bytes"):
-        queue.submit(*bufs, bad, 1, False, words.addresses, None)
+        queue.submit(*one_copy(dst, src, shift=8), 1, False, 1, 0, words.addresses[0], None)  # 8 bytes past dst
     assert queue.pending() == 0 and not dst.any() and not words.array.any()  # nothing queued, nothing run
     queue.close()
     queue.close()  # idempotent
     with pytest.raises(RuntimeError, match="the copy queue is closed"):
-        queue.submit(*bufs, shares, 1, False, words.addresses, None)
+        queue.submit(*one_copy(dst, src), 1, False, 1, 0, words.addresses[0], None)
 
 
 def test_a_queued_copy_holds_keep_until_it_is_done_and_close_waits_for_it() -> None:
@@ -82,8 +78,7 @@ def test_a_queued_copy_holds_keep_until_it_is_done_and_close_waits_for_it() -> N
     keep = Keep()
     watch = weakref.ref(keep)
     queue = _native.CopyQueue()
-    bufs, shares = one_copy(dst, src)
-    queue.submit(*bufs, shares, 1, True, words.addresses, keep)
+    queue.submit(*one_copy(dst, src), 1, True, 2, 1 << 20, words.addresses[0], keep)
     del keep
     gc.collect()
     queue.close()  # returns once the copy is done

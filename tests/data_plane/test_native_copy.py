@@ -1,4 +1,4 @@
-"""The compiled CPU copy path: descriptor building, merging, splitting, bounds checks, streaming."""
+"""The compiled CPU copy path: descriptor building, merging, bounds checks, streaming."""
 
 import shutil
 import sysconfig
@@ -132,20 +132,11 @@ def test_merge_stops_past_the_cap_and_at_gaps(monkeypatch):
     assert out[3].tolist() == rows[5]  # a strided descriptor never merges
 
 
-def test_split_keeps_groups_whole_and_covers_everything():
-    descs = np.array([[i * 10, i * 10, 1, 10, 10, 10] for i in range(12)], dtype=np.int64)
-    parts = native.split(native.CopyBatch(descs, group=4), 2)
-    assert [len(p) for p in parts] == [8, 4] or [len(p) for p in parts] == [4, 8]
-    assert np.array_equal(np.concatenate(parts), descs)
-    assert [len(p) for p in native.split(native.CopyBatch(descs), 3)] == [4, 4, 4]
-    assert native.split(native.CopyBatch(descs[:0]), 3) == []
-
-
 def copy_rows(dst: int, dst_size: int, src: int, src_size: int, descs: np.ndarray, group: int, streaming: bool) -> None:
-    """One share of one layer through the C copy: the whole descriptor array, no progress word."""
+    """One layer through the C copy, on one thread: the whole descriptor array, no progress word."""
     assert native._native is not None
-    shares = [(descs, np.array([len(descs)], dtype=np.int64))]
-    native._native.copy_shares(dst, dst_size, src, src_size, shares, group, streaming, [0])
+    ends = np.array([len(descs)], dtype=np.int64)
+    native._native.copy_pieces(dst, dst_size, src, src_size, descs, ends, group, streaming, 1, 0, 0)
 
 
 @needs_native
@@ -211,18 +202,19 @@ def test_copy_rows_unaligned_rows_and_groups(streaming):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp4_e2m1"])
 def test_streaming_threaded_roundtrip_is_bit_exact(layout, dtype, monkeypatch):
-    """The large-transfer path (non-temporal stores, shares on several copy threads) on a small pool."""
+    """The large-transfer path (non-temporal stores, pieces on several copy threads) on a small pool."""
     monkeypatch.setattr(native, "STREAM_MIN_BYTES", 0)
     monkeypatch.setattr(native, "SMALL_BYTES", 0)
     monkeypatch.setattr(native, "SHARE_MIN_BYTES", 0)
-    shares: list[int] = []
-    copy_shares = native._native.copy_shares  # type: ignore[union-attr]
+    monkeypatch.setattr(native, "PIECE_BYTES", 64)
+    threads: list[int] = []
+    copy_pieces = native._native.copy_pieces  # type: ignore[union-attr]
 
     def counted(*args):  # type: ignore[no-untyped-def]
-        shares.append(len(args[4]))
-        return copy_shares(*args)
+        threads.append(args[8])
+        return copy_pieces(*args)
 
-    monkeypatch.setattr(native._native, "copy_shares", counted)
+    monkeypatch.setattr(native._native, "copy_pieces", counted)
     g = KVGeometry(layer_num=3, head_num=3, head_dim=48, v_head_dim=16, page_size=5, dtype=dtype)
     dev = DeviceKVPool(g, 9)
     fill_random(dev, 7)
@@ -233,7 +225,7 @@ def test_streaming_threaded_roundtrip_is_bit_exact(layout, dtype, monkeypatch):
         back = DeviceKVPool(g, 9)
         with TransferEngine(back, host, "native", copy_threads=3) as loader:
             loader.reload([3, 4, 5, 0, 8], [1, 2, 3, 7, 0], layers=[0, 2])
-    assert len(shares) == 2 and max(shares) >= 2  # both transfers were split over the copy threads
+    assert threads == [3, 3]  # both transfers were copied on the copy threads
     for d, t in zip([8, 0, 1, 2, 4], [1, 2, 3, 7, 0], strict=True):
         assert same_page(dev, d, back, t, layers=[0, 2])
     assert int(back.chunks(0, 0, 1, 9, 1).count_nonzero()) == 0  # layer 1 was not reloaded
@@ -273,10 +265,12 @@ def test_a_small_transfers_template_descriptors_are_the_chunks_of_its_pages(src_
 @pytest.mark.parametrize("src_layout", LAYOUTS)
 @pytest.mark.parametrize("dst_layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp4_e2m1"])
-def test_copy_small_moves_exactly_the_chosen_pages_and_layers(src_layout, dst_layout, dtype):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_copy_small_moves_exactly_the_chosen_pages_and_layers(src_layout, dst_layout, dtype, threads, monkeypatch):
     """The one-call small path (the template moved to each page pair in C) writes the chosen
     layers of the destination pages with the source pages' bytes and nothing else, and
-    publishes every layer into its progress word."""
+    publishes every layer into its progress word; on one thread, or in small pieces on three."""
+    monkeypatch.setattr(native, "PIECE_BYTES", 64)
     g = KVGeometry(layer_num=4, head_num=2, head_dim=32, v_head_dim=16, page_size=4, dtype=dtype)
     src, dst = HostKVPool(g, 10, src_layout), HostKVPool(g, 10, dst_layout)
     fill_random(src, 1)
@@ -289,7 +283,7 @@ def test_copy_small_moves_exactly_the_chosen_pages_and_layers(src_layout, dst_la
             s_pages, d_pages = rng.permutation(10)[:pages], rng.permutation(10)[:pages]
             plan = make_plan(s_pages, 10, d_pages, 10, g.layer_num, layers, ("src", "dst"))
             word[0] = 0
-            native.copy_small(src, dst, plan, plan.layers, word.ctypes.data)
+            native.copy_small(src, dst, plan, plan.layers, word.ctypes.data, threads)
             assert int(word[0]) == len(plan.layers)
             for s_page, d_page in zip(s_pages.tolist(), d_pages.tolist(), strict=True):
                 assert same_page(src, s_page, dst, d_page, list(layers))
@@ -311,16 +305,18 @@ def test_copy_small_refuses_a_page_outside_either_pool_before_copying_anything()
     t = native.page_template(src.layout, dst.layout, g.page_size, (0, 1))
     args = (dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes, t.descs, t.src_stride, t.dst_stride)
     with pytest.raises(ValueError, match=r"page pair 0 \(-1 -> 0\) is out of range"):
-        native._native.copy_pages(*args, np.array([-1]), np.array([0]), 2, False, 0)
+        native._native.copy_pages(*args, np.array([-1]), np.array([0]), 2, False, 1, 0, 0)
     with pytest.raises(ValueError, match="as many destination as source pages; got 4 rows, 4 and 4 steps, 2 and 1"):
-        native._native.copy_pages(*args, np.array([0, 1]), np.array([0]), 2, False, 0)
+        native._native.copy_pages(*args, np.array([0, 1]), np.array([0]), 2, False, 1, 0, 0)
     with pytest.raises(ValueError, match="buffers x 3 layers rows"):
-        native._native.copy_pages(*args, np.array([0]), np.array([0]), 3, False, 0)
+        native._native.copy_pages(*args, np.array([0]), np.array([0]), 3, False, 1, 0, 0)
     none = np.zeros(0, dtype=np.int64)
     with pytest.raises(ValueError, match=f"buffers x {2**61} layers rows"):  # no rows to hold them: refused, not run
-        native._native.copy_pages(*args[:4], np.zeros((0, 6), dtype=np.int64), none, none, none, none, 2**61, False, 0)
+        native._native.copy_pages(
+            *args[:4], np.zeros((0, 6), dtype=np.int64), none, none, none, none, 2**61, False, 1, 0, 0
+        )
     with pytest.raises(ValueError, match="not C-contiguous"):
-        native._native.copy_pages(*args, np.array([0, 1, 2, 3])[::2], np.array([0, 1]), 2, False, 0)
+        native._native.copy_pages(*args, np.array([0, 1, 2, 3])[::2], np.array([0, 1]), 2, False, 1, 0, 0)
     assert torch.equal(dst.flat, before)
 
 

@@ -1,7 +1,6 @@
 """The C planning of a large transfer (_native_plan.c): its descriptors are exactly the
-chunks of the pages (the numpy reference, chunk_parts), in the promised order; layer-wise
-batches cut into shares cover every layer once, between groups, in even parts; bad input
-is refused naming it; and the planning holds the GIL (a busy thread does not slow it)."""
+chunks of the pages (the numpy reference, chunk_parts), in the promised order; merging stays
+within a layer; bad input is refused naming it; and the planning holds the GIL (a busy thread does not slow it)."""
 
 from __future__ import annotations
 
@@ -59,47 +58,6 @@ def test_merge_joins_runs_within_a_layer_only():
     assert np.array_equal(native._descs(same), descs) and np.frombuffer(ends, dtype=np.int64).tolist() == [2, 3]
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("shares", [2, 3, 7])
-@pytest.mark.parametrize("group", [1, 2, 5])
-def test_layer_shares_cover_each_layer_once_between_groups_and_evenly(seed, shares, group):
-    rng = np.random.default_rng(seed)
-    counts = rng.integers(0, 12, size=5) * group  # whole groups per layer, some layers empty
-    n = int(counts.sum())
-    descs = np.zeros((n, 6), dtype=np.int64)
-    descs[:, native.DST] = np.arange(n) * 1000
-    descs[:, native.ROWS] = rng.integers(1, 4, size=n)
-    descs[:, native.ROW_BYTES] = rng.integers(1, 200, size=n)
-    batch = native.LayeredBatch(descs, np.cumsum(counts).astype(np.int64), group)
-    out = native.layered_shares(batch, shares)
-    assert len(out) == shares
-    start = 0
-    for layer, end in enumerate(int(e) for e in batch.ends):
-        pieces, sizes = [], []
-        for share_descs, share_ends in out:
-            first = int(share_ends[layer - 1]) if layer else 0
-            piece = share_descs[first : int(share_ends[layer])]
-            assert len(piece) % group == 0, "a cut inside a group"
-            pieces.append(piece)
-            sizes.append(int((piece[:, native.ROWS] * piece[:, native.ROW_BYTES]).sum()))
-        assert np.array_equal(np.concatenate(pieces), descs[start:end]), layer  # in order, each once
-        biggest_group = max(
-            (int((g[:, native.ROWS] * g[:, native.ROW_BYTES]).sum()) for g in np.split(descs[start:end], (end - start) // group or 1)),
-            default=0,
-        )  # fmt: skip
-        assert max(sizes) <= sum(sizes) / shares + 2 * biggest_group, (sizes, biggest_group)
-        start = end
-
-
-def test_split_drops_empty_parts_and_keeps_one_list():
-    descs = np.array([[i * 10, i * 10, 1, 10, 10, 10] for i in range(12)], dtype=np.int64)
-    parts = native.split(native.CopyBatch(descs, group=12), 4)  # one group: nothing to cut
-    assert len(parts) == 1 and np.array_equal(parts[0], descs)
-    zero = descs.copy()
-    zero[:, native.ROW_BYTES] = 0
-    assert [len(p) for p in native.split(native.CopyBatch(zero), 3)] == [12]
-
-
 def test_bad_arguments_are_refused_naming_them():
     strides = np.zeros((2, 5), dtype=np.int64)
     pages, layers = np.arange(3, dtype=np.int64), np.arange(2, dtype=np.int64)
@@ -118,21 +76,6 @@ def test_bad_arguments_are_refused_naming_them():
         C.merge_descriptors(descs, np.array([0, 1, 5], dtype=np.int64), 2, 1)
     with pytest.raises(ValueError, match="2 positions for 3 descriptors"):
         C.merge_descriptors(descs, np.array([0, 1], dtype=np.int64), 2, 1)
-    ends = np.array([3], dtype=np.int64)
-    with pytest.raises(ValueError, match="shares 65"):
-        C.split_descriptors(descs, ends, 1, 65, False)
-    with pytest.raises(ValueError, match="group 0"):
-        C.split_descriptors(descs, ends, 0, 2, False)
-    with pytest.raises(ValueError, match=r"layer_ends\[1\] = 2 is out of order"):
-        C.split_descriptors(descs, np.array([3, 2], dtype=np.int64), 1, 2, True)
-    with pytest.raises(ValueError, match="layer_ends end at 2, not at the 3 descriptors"):
-        C.split_descriptors(descs, np.array([2], dtype=np.int64), 1, 2, False)
-    negative = descs.copy()
-    negative[1, native.ROW_BYTES] = -1
-    with pytest.raises(ValueError, match="descriptor 1 has negative or too many bytes"):
-        C.split_descriptors(negative, ends, 1, 2, False)
-    with pytest.raises(ValueError, match="descriptors must be a C-contiguous int64 array of shape"):
-        C.split_descriptors(np.zeros((3, 5), dtype=np.int64), ends, 1, 2, False)
 
 
 def test_planning_does_not_hand_the_gil_to_a_busy_thread():
@@ -157,12 +100,11 @@ def test_planning_does_not_hand_the_gil_to_a_busy_thread():
     try:
         before = spins[0]
         batch = native.layered(host, dev, plan, plan.layers)
-        shares = native.layered_shares(batch, 2)
         during = spins[0] - before
     finally:
         sys.setswitchinterval(interval)
         stop.set()
         t.join()
-    assert sum(len(d) for d, _ in shares) == len(batch.descs)
+    assert batch.ends[-1] == len(batch.descs)
     # one hand-off lets the spinner run until it is asked for the GIL back: far more than 1000 loops
     assert during < 1000, f"the spinner ran {during} loops during the planning: the GIL was handed off"

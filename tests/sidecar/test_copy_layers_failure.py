@@ -31,7 +31,7 @@ def test_failed_is_published_after_the_running_copy_ends_and_stays() -> None:
     fill_random(host, 4)
     pages = list(range(32))  # 47 MB: queued, and long enough to still run when layer 0 is in
     with TransferEngine(dev, host, "native", copy_threads=2) as engine:
-        words = ProgressWords.private(engine.shares)
+        words = ProgressWords.private(engine.threads)
         op = FailingOperation("op", g.layer_num)
         handle = engine.reload_async(pages, pages, progress=words)
         with pytest.raises(RuntimeError, match="watcher gone"):
