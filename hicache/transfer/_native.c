@@ -221,11 +221,17 @@ static int check_buffers(uintptr_t dst_addr, long long dst_size, uintptr_t src_a
 
 /* ---- progress words ------------------------------------------------------------------ */
 
-static void publish_word(uint32_t *word, uint32_t value) {
-    __atomic_store_n(word, value, __ATOMIC_RELEASE);
+static void wake_word(uint32_t *word) {
 #ifdef __linux__
     syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); /* shared: waiters may be other processes */
+#else
+    (void)word;
 #endif
+}
+
+static void publish_word(uint32_t *word, uint32_t value) {
+    __atomic_store_n(word, value, __ATOMIC_RELEASE);
+    wake_word(word);
 }
 
 static PyObject *publish(PyObject *self, PyObject *args) {
@@ -282,22 +288,25 @@ static PyObject *wait_progress(PyObject *self, PyObject *args) {
 /* ---- one call, several threads ------------------------------------------------------ */
 
 /* Raise *word to value unless it is already there (or FAILED, the largest value), and wake
- * its waiters: threads that finish layers out of order never move it back. */
+ * its waiters: threads that finish layers out of order never move it back. Only the CAS
+ * writes: storing again after it could lower a word that another thread raised meanwhile. */
 static void raise_word(uint32_t *word, uint32_t value) {
     uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     while (seen < value)
         if (__atomic_compare_exchange_n(word, &seen, value, 0, __ATOMIC_RELEASE, __ATOMIC_ACQUIRE)) {
-            publish_word(word, value);
+            wake_word(word);
             return;
         }
 }
 
 /* Count the layers done from the first one on, after a thread has finished the last piece of
- * a layer; publish the count when it grew. */
+ * a layer; publish the count when it grew. The counts are sequentially consistent: two threads
+ * that finish layers 0 and 1 at once must not both read the other's count as not yet zero
+ * (a store-then-load pair, which acquire/release alone allows on weak memory). */
 static void advance(Job *job) {
-    uint32_t done = __atomic_load_n(&job->layers_done, __ATOMIC_ACQUIRE);
-    while ((Py_ssize_t)done < job->layers && __atomic_load_n(&job->left[done], __ATOMIC_ACQUIRE) == 0)
-        if (__atomic_compare_exchange_n(&job->layers_done, &done, done + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+    uint32_t done = __atomic_load_n(&job->layers_done, __ATOMIC_SEQ_CST);
+    while ((Py_ssize_t)done < job->layers && __atomic_load_n(&job->left[done], __ATOMIC_SEQ_CST) == 0)
+        if (__atomic_compare_exchange_n(&job->layers_done, &done, done + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
             done++;
     if (job->progress != NULL)
         raise_word(job->progress, done);
@@ -309,7 +318,7 @@ void run_piece(Job *job, Py_ssize_t i) {
     if (count > 0)
         copy_all(job->dst, job->src, job->descs + p->first, count, job->group < count ? job->group : count,
                  job->streaming);
-    if (__atomic_sub_fetch(&job->left[p->layer], 1, __ATOMIC_ACQ_REL) == 0)
+    if (__atomic_sub_fetch(&job->left[p->layer], 1, __ATOMIC_SEQ_CST) == 0)
         advance(job);
 }
 
