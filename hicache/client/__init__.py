@@ -3,8 +3,16 @@ sidecar, with its reload handles, errors and TLS settings, and the health and st
 behind the `hicache` command."""
 
 from hicache.client.client import HiCacheClient, RegisteredPool
-from hicache.client.handles import HiCacheRpcError, ReloadHandle
+from hicache.client.handles import HiCacheRpcError, ReloadHandle, ReloadOutcomeUnknown
 from hicache.client.tls import ClientTls
 from hicache.keys import page_keys
 
-__all__ = ["ClientTls", "HiCacheClient", "HiCacheRpcError", "RegisteredPool", "ReloadHandle", "page_keys"]
+__all__ = [
+    "ClientTls",
+    "HiCacheClient",
+    "HiCacheRpcError",
+    "RegisteredPool",
+    "ReloadHandle",
+    "ReloadOutcomeUnknown",
+    "page_keys",
+]

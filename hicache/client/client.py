@@ -45,7 +45,7 @@ from hicache.api import (
 )
 from hicache.client.connection import Connection
 from hicache.client.cuda_events import PoolCudaEvents
-from hicache.client.handles import HiCacheRpcError, ReloadHandle
+from hicache.client.handles import PROBE_S, HiCacheRpcError, ReloadHandle
 from hicache.client.progress_blocks import ProgressBlocks
 from hicache.client.tls import ClientTls
 from hicache.geometry import KVGeometry
@@ -113,11 +113,19 @@ class HiCacheClient:
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _call(
-        self, method: Callable[..., T], request: Any, *, retry: bool = True, wait: bool = False, pool: str = ""
+        self,
+        method: Callable[..., T],
+        request: Any,
+        *,
+        retry: bool = True,
+        wait: bool = False,
+        pool: str = "",
+        timeout: float | None = None,
     ) -> T:
-        """One call; naming `pool`, it carries the pool's secret."""
+        """One call; naming `pool`, it carries the pool's secret. `timeout`: the deadline, if
+        not the client's."""
         extra = ((POOL_SECRET, self._secrets.get(pool, "")),) if pool else ()
-        return self._conn.call(method, request, retry=retry, wait=wait, extra=extra)
+        return self._conn.call(method, request, retry=retry, wait=wait, extra=extra, timeout=timeout)
 
     def _pool_metadata(self, pool_id: str) -> tuple[tuple[str, str], ...]:
         return (*self._metadata, (POOL_SECRET, self._secrets.get(pool_id, "")))
@@ -255,17 +263,41 @@ class HiCacheClient:
             raise ValueError(f"fds can be sent only to a sidecar on a Unix socket, not {self.target!r}")
         return send_fds(self.target.removeprefix("unix://"), fds, timeout=self.timeout)
 
-    def unregister(self, pool: PoolRef = None, *, retry: bool = True) -> None:
+    def unregister(self, pool: PoolRef = None, *, retry: bool = True) -> bool:
+        """Unregister one of this client's pools (default: the default pool) and drop it here:
+        its secret, mapped progress block and CUDA events. True if the sidecar unregistered it;
+        False if the sidecar no longer knew it (it restarted, or the lease expired): the pool
+        is dropped here all the same, so a re-registration leaves no stale pool behind.
+        Raises KeyError for a pool this client did not register, HiCacheRpcError for any
+        other failure (the pool is then kept)."""
         info = self._pool(pool)
         request = pb.UnregisterPoolRequest(request_id=self._rid(), pool_id=info.pool_id)
-        self._call(self._stub.UnregisterPool, request, retry=retry, pool=info.pool_id)
-        del self._pools[info.pool_id]
-        self._blocks.unmap(info.pool_id)
-        events = self._cuda_events.pop(info.pool_id, None)
+        try:
+            self._call(self._stub.UnregisterPool, request, retry=retry, pool=info.pool_id)
+            known = True
+        except HiCacheRpcError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            known = False  # the sidecar forgot it: nothing there to undo
+        self.forget(info)
+        return known
+
+    def forget(self, pool: RegisteredPool | str) -> bool:
+        """Drop one of this client's pools here only, with no call: its secret, progress block
+        and CUDA events; keep-alive stops renewing it. For a pool the sidecar forgot (a call
+        naming it got NOT_FOUND) before registering again. False if this client did not hold it."""
+        pool_id = pool.pool_id if isinstance(pool, RegisteredPool) else pool
+        if pool_id not in self._pools:
+            return False
+        del self._pools[pool_id]
+        self._secrets.pop(pool_id, None)
+        self._blocks.unmap(pool_id)
+        events = self._cuda_events.pop(pool_id, None)
         if events is not None:
             events.close()
-        if self._default == info.pool_id:
+        if self._default == pool_id:
             self._default = next(iter(self._pools), None)
+        return True
 
     # ---- keys -----------------------------------------------------------------------------------
     def page_keys(
@@ -319,13 +351,17 @@ class HiCacheClient:
         def watch() -> Any:
             return self._stub.Watch(watch_req, timeout=self.timeout, metadata=self._pool_metadata(info.pool_id))
 
+        def probe() -> None:  # is the sidecar still there, with the pool? (a wait in the slot asks)
+            req = pb.KeepAliveRequest(pool_id=info.pool_id)
+            self._call(self._stub.KeepAlive, req, retry=False, pool=info.pool_id, timeout=min(self.timeout, PROBE_S))
+
         slot = stream_wait = None
         if not r.done and r.progress_words:
             slot = self._blocks.slot(info.pool_id, r.progress_slot, r.progress_generation, r.progress_words)
         events = self._cuda_events.get(info.pool_id)
         if not r.done and r.event_layers and events is not None:
             stream_wait = events.layer_waiter(r.event_slot, r.event_layers)
-        return ReloadHandle(result, info.layer_num, None if r.done else watch, slot, stream_wait)
+        return ReloadHandle(result, info.layer_num, None if r.done else watch, slot, stream_wait, probe)
 
     def prefetch(self, keys: Sequence[bytes], *, policy: str = "", pool: PoolRef = None) -> PrefetchOutcome:
         """Bring keys from the storage tier into host memory: each key is RESIDENT, FETCHING
@@ -413,7 +449,7 @@ class HiCacheClient:
             try:
                 self.unregister(pool_id, retry=False)  # a dead sidecar fails fast
             except HiCacheRpcError:
-                self._pools.pop(pool_id, None)
+                self.forget(pool_id)
         self._blocks.close()
         for events in self._cuda_events.values():
             events.close()

@@ -55,24 +55,27 @@ class Connection:
         retry: bool = True,
         wait: bool = False,
         extra: tuple[tuple[str, str], ...] = (),
+        timeout: float | None = None,
     ) -> T:
         """One call with the deadline. `wait`: wait (up to the deadline) for a sidecar that is
         not up yet, for the first contact; otherwise a sidecar that is down fails the call at
         once with UNAVAILABLE, so an engine never stalls a forward pass on a dead cache.
         `retry`: an UNAVAILABLE call is retried (same request id) `retries` times. `extra`:
-        more metadata (a pool's secret). Raises HiCacheRpcError."""
+        more metadata (a pool's secret). `timeout`: the deadline in s, if not the
+        connection's. Raises HiCacheRpcError."""
         # Kept by hand rather than gRPC's service-config retryPolicy: the policy retries inside
         # the channel where this loop can log nothing and cannot tell a first contact (wait)
         # from a call to a dead sidecar, which must fail at once; the request id makes either safe.
         attempts = 1 + (self.retries if retry else 0)
         metadata = self.metadata + extra
+        deadline = self.timeout if timeout is None else timeout
         for attempt in range(attempts):
             try:
-                return method(request, timeout=self.timeout, metadata=metadata, wait_for_ready=wait)
+                return method(request, timeout=deadline, metadata=metadata, wait_for_ready=wait)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
-                    time.sleep(min(self.timeout, 0.02 * 2**attempt))
+                    time.sleep(min(deadline, 0.02 * 2**attempt))
                     continue  # same request id: the sidecar answers a retry idempotently
                 raise HiCacheRpcError(code, exc.details() or "") from None
         raise AssertionError("unreachable")

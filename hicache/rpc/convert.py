@@ -31,6 +31,9 @@ _EVENT_KINDS = {
     "progress": pb.WatchEvent.KIND_PROGRESS,
 }
 _EVENT_NAMES = {v: k for k, v in _EVENT_KINDS.items()}
+UNKNOWN_STATUS = KeyStatus.NOT_FOUND  # what an unknown KeyStatus value reads as
+_STATUSES = {pb.KeyStatus.Value("KEY_STATUS_" + s.name): s for s in KeyStatus}
+_TIERS = {pb.Tier.Value("TIER_" + t.name): t for t in Tier}
 
 
 def geometry_to_pb(g: KVGeometry) -> pb.Geometry:
@@ -77,7 +80,9 @@ def statuses_to_pb(statuses: Iterable[KeyStatus]) -> list[Any]:
 
 
 def statuses_from_pb(values: Iterable[int]) -> tuple[KeyStatus, ...]:
-    return tuple(KeyStatus[pb.KeyStatus.Name(v).removeprefix("KEY_STATUS_")] for v in values)  # type: ignore[arg-type]
+    """A value this side does not know (a newer sidecar's, or UNSPECIFIED) reads as
+    UNKNOWN_STATUS, which every caller takes for a miss: not stored, not loaded, not pinned."""
+    return tuple(_STATUSES.get(v, UNKNOWN_STATUS) for v in values)
 
 
 def tier_to_pb(t: Tier) -> Any:
@@ -85,7 +90,9 @@ def tier_to_pb(t: Tier) -> Any:
 
 
 def tier_from_pb(v: int) -> Tier:
-    return Tier[pb.Tier.Name(v).removeprefix("TIER_")]  # type: ignore[arg-type]
+    """A tier this side does not know (a newer sidecar's, or UNSPECIFIED) reads as Tier.NONE:
+    the key counts as in no tier, a miss."""
+    return _TIERS.get(v, Tier.NONE)
 
 
 def lookup_to_pb(r: LookupResult) -> pb.LookupResponse:

@@ -73,3 +73,21 @@ def test_stats_and_event_batches_round_trip_through_messages() -> None:
     assert convert.event_batch_from_pb(msg) == batch
     msg.events.add(kind=99)  # a kind of a newer sidecar is skipped, not guessed
     assert convert.event_batch_from_pb(msg) == batch
+
+
+def test_unknown_enum_values_read_as_a_miss() -> None:
+    from hicache.api import KeyStatus, Tier
+    from hicache.rpc import convert
+    from hicache.rpc.generated import hicache_pb2 as pb
+
+    # a newer sidecar's value (99) or UNSPECIFIED (0) must not lose a successful call's answer
+    loaded = pb.KEY_STATUS_LOADED
+    assert convert.statuses_from_pb([loaded, 99, 0]) == (KeyStatus.LOADED, KeyStatus.NOT_FOUND, KeyStatus.NOT_FOUND)
+    assert convert.UNKNOWN_STATUS is KeyStatus.NOT_FOUND
+    assert convert.tier_from_pb(4) is Tier.NONE and convert.tier_from_pb(0) is Tier.NONE
+    lookup = convert.lookup_from_pb(pb.LookupResponse(prefix_length=1, tiers=[pb.TIER_HOST, 4]))
+    assert lookup.tiers == (Tier.HOST, Tier.NONE)
+    for status in KeyStatus:  # every known value still round-trips
+        assert convert.statuses_from_pb(convert.statuses_to_pb([status])) == (status,)
+    for tier in Tier:
+        assert convert.tier_from_pb(convert.tier_to_pb(tier)) is tier

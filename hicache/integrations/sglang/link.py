@@ -92,6 +92,7 @@ class PoolLink:
         """Register again after the sidecar forgot pool `stale` (it restarted)."""
         with self._lock:
             if self.pool_id == stale:
+                self.client.forget(stale)  # or the client would keep its secret and renew its lease
                 self.pool_id, self.host_pages = self._register()
                 log.warning("hicache sidecar lost pool %s (restarted?); registered again as %s", stale, self.pool_id)
 
