@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from hicache.geometry import KVGeometry
@@ -124,12 +124,17 @@ class PoolRequest:
 
 def check_geometry(expected: dict[str, KVGeometry] | None, group: str, geometry: KVGeometry) -> None:
     """Raises ValueError for a group the model lacks or, naming each differing field with both
-    values, a geometry other than the expected one. expected None accepts any geometry."""
+    values, a geometry other than the expected one. A pipeline stage's pool, holding some of
+    the group's layers (its layer_ids among the group's), is checked against the group cut to
+    those layers. expected None accepts any geometry."""
     if expected is None:
         return
     if group not in expected:
         raise ValueError(f"group {group!r} is not in the sidecar's model; it has {sorted(expected)}")
     want = expected[group]
+    ids = geometry.layer_ids
+    if ids is not None and want.layer_ids is not None and ids != want.layer_ids and set(ids) <= set(want.layer_ids):
+        want = replace(want, layer_num=len(ids), layer_ids=ids)  # a stage: its own layers
     fields = want.diff(geometry)
     if fields:
         mine, theirs = want.to_dict(), geometry.to_dict()

@@ -1,4 +1,12 @@
-"""Idempotent retries: a bounded memory of recent request ids and their answers."""
+"""Idempotent retries: a bounded memory of recent request ids and their answers.
+
+An answer is keyed by (scope, request id) and checked against the call's arguments, not
+against the caller: the servicer knows no caller identity that survives a reconnect, and a
+retry after UNAVAILABLE may come on a new connection. So a caller that reuses another's
+request id with the same arguments gets the other's answer; clients choose random ids
+(HiCacheClient: uuid4) for that reason. An answer that names something since released is
+dropped with forget(), so that it is never handed out stale.
+"""
 
 from __future__ import annotations
 
@@ -90,6 +98,19 @@ class RequestCache:
         with self._lock:
             self._trim_locked()
         return result
+
+    def forget(self, scope: tuple[str, str], match: Callable[[Any], bool]) -> int:
+        """Drop the finished answers in `scope` for which match(answer) is true (a later call
+        with one of their ids runs anew); returns how many. Attempts still running stay."""
+        with self._lock:
+            victims = [
+                key
+                for key, slot in self._slots.items()
+                if key[:2] == scope and slot.done.is_set() and slot.ok and match(slot.result)
+            ]
+            for key in victims:
+                del self._slots[key]
+        return len(victims)
 
     def _trim_locked(self) -> None:
         """Forget the oldest finished answers beyond capacity. Attempts still running stay

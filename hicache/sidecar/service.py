@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from hicache.sidecar.pool_factory import PoolParts
 
 log = logging.getLogger("hicache.sidecar")
+REGISTER = ("register", "")  # RegisterPool's scope in the request cache
 
 
 class HiCacheService:
@@ -100,6 +101,10 @@ class HiCacheService:
         (fds it sent, or shm), which the sidecar then copies from directly. Returns NoSpace when
         the pool limit is reached or the host memory does not fit. offload_events: IPC handles
         of the engine's interprocess CUDA events that offloads may name to wait for (CUDA pools).
+
+        A retry with the same request_id and arguments gets the first answer (the pool's id
+        and secret) while the pool lives; once it is released, the id registers a new pool.
+        The answer is not bound to the caller (see hicache.sidecar.request_cache).
         """
         req = PoolRequest(
             geometry,
@@ -115,7 +120,7 @@ class HiCacheService:
             device_layout,
             tuple(offload_events),
         )
-        return self._requests.run(("register", ""), request_id, fingerprint(repr(req)), lambda: self._register(req))
+        return self._requests.run(REGISTER, request_id, fingerprint(repr(req)), lambda: self._register(req))
 
     def _register(self, req: PoolRequest) -> PoolInfo | NoSpace:
         req.check(self.config.expected, self.config.hierarchy.storage_backend)
@@ -232,6 +237,8 @@ class HiCacheService:
         # The pool stays listed until it is closed, so that a caller who sees it gone also
         # sees its memory released; meanwhile its calls get StateError (closing).
         pool = self._pools.end_lease(pool_id)
+        # a retried registration must not be answered with this pool (its secret) any more
+        self._requests.forget(REGISTER, lambda info: isinstance(info, PoolInfo) and info.pool_id == pool_id)
         pool.close()
         with self._space_lock:
             self._pools.remove(pool_id)

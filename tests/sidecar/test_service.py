@@ -219,6 +219,30 @@ def test_geometry_mismatch_names_each_field():
     dev.close()
 
 
+def test_a_pipeline_stage_registers_its_own_layers_of_the_model():
+    """With pipeline parallelism each stage's pool holds some of a group's layers; the sidecar's
+    model config checks it against those layers, and still refuses a layer the group lacks."""
+    svc = make_service()
+    g = mimo_full()
+    assert g.layer_ids is not None and len(g.layer_ids) > 2
+    stage_ids = g.layer_ids[len(g.layer_ids) // 2 :]
+    stage = dataclasses.replace(g, layer_num=len(stage_ids), layer_ids=stage_ids)
+    dev = filled_device(4, geometry=stage)
+    try:
+        info = register(svc, dev)
+        assert info.geometry_fingerprint == stage.fingerprint != g.fingerprint
+        stray = dataclasses.replace(stage, layer_ids=(*stage_ids[:-1], max(g.layer_ids) + 1))
+        with pytest.raises(ValueError, match="layer_ids"):
+            svc.register("r2", geometry=stray, device_pages=4, device_memory=dev.handle)
+        wider = dataclasses.replace(stage, head_dim=g.head_dim * 2)  # a stage is still checked field by field
+        with pytest.raises(ValueError, match="head_dim"):
+            svc.register("r3", geometry=wider, device_pages=4, device_memory=dev.handle)
+        assert svc.pool_ids == [info.pool_id]
+    finally:
+        svc.close()
+        dev.close()
+
+
 def test_register_validates_memory_and_hash():
     svc = make_service()
     dev = filled_device(4)

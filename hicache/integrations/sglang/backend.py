@@ -27,7 +27,7 @@ from hicache.geometry import model_geometries
 from hicache.hf_config import load_model_config
 from hicache.integrations.sglang.link import PoolLink, page_numbers
 from hicache.integrations.sglang.options import Options
-from hicache.integrations.sglang.pool_views import flat_page_views, geometry_of
+from hicache.integrations.sglang.pool_views import flat_page_views, geometry_of, stage_geometry
 
 log = logging.getLogger("hicache.integrations.sglang")
 GROUPS = {"kv": "full", "swa": "swa"}  # SGLang host pool name -> hicache KV group
@@ -65,15 +65,16 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
         mla = bool(cfg.is_mla_model)
         config = load_model_config(cfg.model_name, opts.model_config)
         geometry = geometry_of(host_pool)
-        if config is not None:  # the model's layer ids for this group, and a cross-check
+        if config is not None:  # the model's layer ids for this group (this PP stage's), and a cross-check
             tp = 1 if mla else cfg.tp_size
             want = model_geometries(config, tp_size=tp, page_size=geometry.page_size, dtype=geometry.dtype)
             if group not in want:
                 raise ValueError(f"SGLang host pool {name!r}: the model config has no {group!r} group")
-            geometry = geometry_of(host_pool, layer_ids=want[group].layer_ids)
-            differ = want[group].diff(geometry)
+            stage = stage_geometry(host_pool, want[group])
+            geometry = geometry_of(host_pool, layer_ids=stage.layer_ids)
+            differ = stage.diff(geometry)
             if differ:
-                mine, theirs = geometry.to_dict(), want[group].to_dict()
+                mine, theirs = geometry.to_dict(), stage.to_dict()
                 detail = ", ".join(f"{f} (SGLang {mine[f]!r}, model config {theirs[f]!r})" for f in differ)
                 raise ValueError(f"SGLang host pool {name!r} does not match the model config: {detail}")
         register_kw = {

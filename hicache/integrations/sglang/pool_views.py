@@ -13,6 +13,7 @@ page (get_data_page(flat=True)) is the same layout over one page, K half then V 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -125,3 +126,19 @@ def geometry_of(pool: Any, *, layer_ids: tuple[int, ...] | None = None) -> KVGeo
         dtype=dtype,
         layer_ids=ids,
     )
+
+
+def stage_geometry(pool: Any, model: KVGeometry) -> KVGeometry:
+    """`model` (one KV group of the model config) cut to the layers that SGLang host pool
+    `pool` holds. With pipeline parallelism a stage's pool holds layer_num of the group's
+    layers from its start_layer on; they are counted, not spanned, because a hybrid model's
+    group has its layers among the other group's. Raises ValueError when fewer lie there."""
+    assert model.layer_ids is not None  # KVGeometry fills it
+    start = getattr(pool, "start_layer", 0) or 0
+    ids = tuple(i for i in sorted(model.layer_ids) if i >= start)[: pool.layer_num]
+    if len(ids) < pool.layer_num:
+        raise ValueError(
+            f"SGLang host pool holds {pool.layer_num} layers from layer {start}, but the model config has "
+            f"{len(ids)} of this group's layers from there (the group's layers: {model.layer_ids})"
+        )
+    return replace(model, layer_num=len(ids), layer_ids=ids)

@@ -1,11 +1,12 @@
 """HiCacheOffloadingManager: vLLM's scheduler-side view of what the sidecar holds.
 
 vLLM asks lookup() one chunk at a time, holding the scheduler. So a chunk the manager has
-not seen answers RETRY, and at the end of the step one background Lookup per worker pool
-resolves every chunk asked for: HIT when each rank holds all its pages in host memory,
-HIT_PENDING (and a Prefetch) when some are in storage only, MISS otherwise. Answers are
-reused for lookup_ttl_s. A sidecar that fails a call makes every lookup a MISS and every
-store a refusal for retry_s; no call here raises into the scheduler.
+not seen answers RETRY, and at the end of the step background Lookups on each worker pool
+(BATCH page keys per call, see batches) resolve every chunk asked for: HIT when each rank
+holds all its pages in host memory, HIT_PENDING (and a Prefetch) when some are in storage
+only, MISS otherwise. Answers are reused for lookup_ttl_s. A sidecar that fails a call makes
+every lookup a MISS and every store a refusal for retry_s; no call here raises into the
+scheduler.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from hicache.api import KeyStatus, Tier
 from hicache.client import HiCacheClient
 from hicache.integrations.vllm import rendezvous
+from hicache.integrations.vllm.batches import BATCH, batches
 from hicache.integrations.vllm.keys import chunk_page_keys, group_of
 from hicache.integrations.vllm.options import Options
 
@@ -110,8 +112,8 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         for group, chunks in _by_group(keys).items():
             page_keys = [k for c in chunks for k in chunk_page_keys(c, bpc)]
             for pool in self._group_pools(group):
-                tiers = self.client.lookup(page_keys, pool=pool).tiers
-                fetch = []
+                tiers = self._tiers(page_keys, pool)
+                fetch: list[bytes] = []
                 for i, chunk in enumerate(chunks):
                     mine = tiers[i * bpc : (i + 1) * bpc]
                     if Tier.NONE in mine:
@@ -120,9 +122,13 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
                         fetch += page_keys[i * bpc : (i + 1) * bpc]
                         if answers[chunk] is LookupResult.HIT:
                             answers[chunk] = LookupResult.HIT_PENDING
-                if fetch:
-                    self.client.prefetch(fetch, policy="best_effort", pool=pool)
+                for part in batches(fetch, BATCH):
+                    self.client.prefetch(part, policy="best_effort", pool=pool)
         return answers
+
+    def _tiers(self, page_keys: list[bytes], pool: str) -> list[Tier]:
+        """Where `pool` holds each of `page_keys`, asked BATCH keys per Lookup."""
+        return [t for part in batches(page_keys, BATCH) for t in self.client.lookup(part, pool=pool).tiers]
 
     def _group_pools(self, group: int) -> list[str]:
         """Every rank's pool for `group` (read from the workers' rendezvous once all wrote)."""
@@ -153,12 +159,13 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """Pin the chunks' pages on every rank until complete_load."""
         for pool, page_keys in self._pool_keys(keys):
-            try:
-                statuses = self.client.pin(page_keys, pool=pool)
-            except Exception as exc:
-                self._fail("pin", exc)
-                continue
-            self._pins.update((pool, k) for k, s in zip(page_keys, statuses, strict=True) if s is KeyStatus.PINNED)
+            for part in batches(page_keys, BATCH):
+                try:
+                    statuses = self.client.pin(part, pool=pool)
+                except Exception as exc:
+                    self._fail("pin", exc)
+                    break
+                self._pins.update((pool, k) for k, s in zip(part, statuses, strict=True) if s is KeyStatus.PINNED)
         return HiCacheLoadStoreSpec(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -168,11 +175,12 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 self._pins[(pool, k)] -= 1
                 if not self._pins[(pool, k)]:
                     del self._pins[(pool, k)]
-            if pinned:
+            for part in batches(pinned, BATCH):
                 try:
-                    self.client.unpin(pinned, pool=pool)
+                    self.client.unpin(part, pool=pool)
                 except Exception as exc:
                     self._fail("unpin", exc)
+                    break
 
     def _pool_keys(self, keys: Collection[bytes]) -> list[tuple[str, list[bytes]]]:
         out = []

@@ -30,6 +30,7 @@ from hicache.api import KeyStatus
 from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.geometry import KVGeometry
 from hicache.integrations.vllm import rendezvous
+from hicache.integrations.vllm.batches import BATCH
 from hicache.integrations.vllm.keys import KEY_HASH, GroupMoves, plan_moves
 from hicache.integrations.vllm.manager import HiCacheLoadStoreSpec
 from hicache.integrations.vllm.memory import GroupMemory, group_memory
@@ -38,7 +39,6 @@ from hicache.integrations.vllm.options import Options
 log = logging.getLogger("hicache.integrations.vllm")
 LOADED = (KeyStatus.LOADED, KeyStatus.LOADED_FROM_STORAGE)
 KEPT = (KeyStatus.STORED, KeyStatus.DEDUPLICATED)
-BATCH = 4096  # keys per Offload / Reload call
 
 
 @dataclass
@@ -115,6 +115,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 raise
         with self._lock:
             if link.pool_id == pool_id:
+                self.client.forget(pool_id)  # or the client would keep its secret and renew its lease
                 self._register(link)
                 self._publish()
                 log.warning("hicache sidecar lost pool %s (restarted?); registered again as %s", pool_id, link.pool_id)

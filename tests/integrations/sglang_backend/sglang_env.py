@@ -43,7 +43,14 @@ def sidecar_dir() -> Iterator[str]:
 
 
 def storage_config(
-    model_name: str, target: str, *, layout: str, tp: tuple[int, int] = (0, 1), mla: bool = False, **extra: Any
+    model_name: str,
+    target: str,
+    *,
+    layout: str,
+    tp: tuple[int, int] = (0, 1),
+    pp: tuple[int, int] = (0, 1),
+    mla: bool = False,
+    **extra: Any,
 ) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
@@ -58,8 +65,8 @@ def storage_config(
     return HiCacheStorageConfig(
         tp_rank=tp[0],
         tp_size=tp[1],
-        pp_rank=0,
-        pp_size=1,
+        pp_rank=pp[0],
+        pp_size=pp[1],
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=mla,
@@ -80,9 +87,12 @@ def mha_host_pool(
     pages: int = 8,
     page: int = 16,
     allocator: str = "default",
+    start_layer: int = 0,
 ) -> Any:
     """A real SGLang MHA host pool (get_mha_host_pool_cls picks the K != V class) on CPU;
-    allocator "shm" puts it in memfds, as SGLang's "allocator": "shm" extra config does."""
+    allocator "shm" puts it in memfds, as SGLang's "allocator": "shm" extra config does.
+    start_layer: the model layer of its first layer (a pipeline stage's; SGLang's end_layer
+    is then start_layer + layers)."""
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
@@ -106,7 +116,8 @@ def mha_host_pool(
     cls = get_mha_host_pool_cls(info)
     pool = cls(
         info, 2.0, 0, page, layout, pin_memory=False, device="cpu", allocator_type=allocator,
-        device_capacity_tokens=dev_tokens, start_layer=0, end_layer=layers, host_token_capacity=pages * page,
+        device_capacity_tokens=dev_tokens, start_layer=start_layer, end_layer=start_layer + layers,
+        host_token_capacity=pages * page,
     )  # fmt: skip
     pool._keep = (k, v)  # the device tensors the pointer tables name
     return pool
