@@ -46,8 +46,10 @@ MAX_LAYERS = 1 << 16  # models have a few hundred; the layer ids are built per l
 def normalize_dtype(name: str) -> str:
     """Map a dtype name or alias ("bf16", "fp8_e4m3", ...) to its canonical name.
 
-    Raises ValueError for an unknown name.
+    Raises ValueError for an unknown name or one that is not a string.
     """
+    if not isinstance(name, str):
+        raise ValueError(f"KV dtype must be a string, got {name!r}")
     canonical = _DTYPE_ALIASES.get(name, name)
     if canonical not in _DTYPES:
         raise ValueError(f"unknown KV dtype {name!r}; expected one of {list(_DTYPES)}")

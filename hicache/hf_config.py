@@ -1,11 +1,15 @@
 """Reading a Hugging Face config.json into KVGeometry fields.
 
 Rules:
-- `text_config` is used when present (multimodal wrappers).
-- head_dim: `head_dim`, else hidden_size // num_attention_heads. v_head_dim: `v_head_dim`,
-  else head_dim.
-- MLA when `kv_lora_rank` is present: one latent row of kv_lora_rank + qk_rope_head_dim,
-  head_num 1, replicated on every TP rank.
+- `text_config` is used when present (multimodal wrappers); it must be a dict.
+- Sizes, where present, are ints >= 1 (qk_rope_head_dim >= 0); an explicit 0 is an error,
+  never a default.
+- head_dim: `head_dim`, else hidden_size / num_attention_heads (which must divide it).
+  v_head_dim: `v_head_dim`, else head_dim.
+- MLA when `kv_lora_rank` is present: one latent row of kv_lora_rank + qk_rope_head_dim
+  (both required), head_num 1, replicated on every TP rank.
+- dtype "auto": torch_dtype (or dtype) of the config, else of its text_config; bfloat16
+  when neither has one or it is not bfloat16, float16 or float32.
 - KV heads: the first present of num_key_value_heads, num_attention_heads; per rank
   max(1, kv // tp), valid only when tp divides kv or kv divides tp.
 - Sliding-window layers ("swa" group): hybrid_layer_pattern[i] == 1, or
@@ -19,24 +23,23 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 from hicache.validate import is_int
 
 GROUPS = ("full", "swa")
 _FULL_TYPES = ("full_attention", "attention", "global_attention")
+T = TypeVar("T")
 
 
 def geometry_kwargs(config: dict[str, Any], *, tp_size: int, page_size: int, dtype: str, group: str) -> dict[str, Any]:
     """KVGeometry keyword arguments for one group of `config`. Raises ValueError."""
-    if not isinstance(config, dict):
-        raise ValueError(f"config must be a dict, got {type(config).__name__}")
-    cfg = config.get("text_config") or config
+    cfg = _text_config(config)
     if group not in GROUPS:
         raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
     if not is_int(tp_size) or tp_size < 1:
         raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-    dtype = _resolve_auto(dtype, cfg)
+    dtype = _resolve_auto(dtype, config, cfg)
     layer_num = _req_int(cfg, "num_hidden_layers")
 
     if cfg.get("kv_lora_rank") is not None:
@@ -48,7 +51,7 @@ def geometry_kwargs(config: dict[str, Any], *, tp_size: int, page_size: int, dty
             layer_ids=tuple(range(layer_num)),
             head_num=1,
             kv_lora_rank=_req_int(cfg, "kv_lora_rank"),
-            qk_rope_head_dim=_opt_int(cfg, "qk_rope_head_dim") or 0,
+            qk_rope_head_dim=_req_int(cfg, "qk_rope_head_dim", minimum=0),
             page_size=page_size,
             dtype=dtype,
         )
@@ -61,19 +64,22 @@ def geometry_kwargs(config: dict[str, Any], *, tp_size: int, page_size: int, dty
     attn_heads = _opt_int(cfg, "num_attention_heads")
     head_dim = _opt_int(cfg, "head_dim")
     if head_dim is None:
-        if attn_heads is None or attn_heads < 1:
-            raise ValueError(f"config has no head_dim and num_attention_heads is {attn_heads!r}")
-        head_dim = _req_int(cfg, "hidden_size") // attn_heads
-    v_head_dim = _opt_int(cfg, "v_head_dim") or head_dim
-    kv_heads = _opt_int(cfg, "num_key_value_heads") or attn_heads
+        if attn_heads is None:
+            raise ValueError("config has neither head_dim nor num_attention_heads")
+        hidden = _req_int(cfg, "hidden_size")
+        if hidden % attn_heads:
+            raise ValueError(f"config hidden_size {hidden} is not a multiple of num_attention_heads {attn_heads}")
+        head_dim = hidden // attn_heads
+    v_head_dim = _or(_opt_int(cfg, "v_head_dim"), head_dim)
+    kv_heads = _or(_opt_int(cfg, "num_key_value_heads"), attn_heads)
     if kv_heads is None:
         raise ValueError("config has neither num_key_value_heads nor num_attention_heads")
     if group == "swa":
-        kv_heads = _opt_int(cfg, "swa_num_key_value_heads") or kv_heads
+        kv_heads = _or(_opt_int(cfg, "swa_num_key_value_heads"), kv_heads)
         swa_head_dim = _opt_int(cfg, "swa_head_dim")
         if swa_head_dim is not None:
             v_head_dim, head_dim = swa_head_dim, swa_head_dim
-        v_head_dim = _opt_int(cfg, "swa_v_head_dim") or v_head_dim
+        v_head_dim = _or(_opt_int(cfg, "swa_v_head_dim"), v_head_dim)
     return dict(
         attention="mha",
         layer_num=len(ids),
@@ -116,11 +122,37 @@ def _split_layers(cfg: dict[str, Any], layer_num: int) -> tuple[list[int], list[
     return list(layers), []
 
 
-def _resolve_auto(dtype: str, cfg: dict[str, Any]) -> str:
+def _text_config(config: Any) -> dict[str, Any]:
+    """The dict that describes the language model: `text_config` when present, else `config`."""
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict, got {type(config).__name__}")
+    inner = config.get("text_config")
+    if inner is None:
+        return config
+    if not isinstance(inner, dict):
+        raise ValueError(f"config text_config must be a dict, got {inner!r}")
+    return inner
+
+
+def _or(value: T | None, default: T) -> T:
+    """`value`, or `default` where the config left it out (None; never a falsy 0)."""
+    return default if value is None else value
+
+
+def _resolve_auto(dtype: str, config: dict[str, Any], cfg: dict[str, Any]) -> str:
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a string, got {dtype!r}")
     if dtype != "auto":
         return dtype
-    model_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    return model_dtype if model_dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+    for source in (config, cfg):  # the wrapper's first: it names the dtype the model loads in
+        for key in ("torch_dtype", "dtype"):
+            value = source.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ValueError(f"config {key} must be a string, got {value!r}")
+            return value if value in ("bfloat16", "float16", "float32") else "bfloat16"
+    return "bfloat16"
 
 
 def _check_len(name: str, seq: Any, layer_num: int) -> None:
@@ -129,17 +161,20 @@ def _check_len(name: str, seq: Any, layer_num: int) -> None:
         raise ValueError(f"{name} must be a list of num_hidden_layers={layer_num} entries, got {got}")
 
 
-def _opt_int(cfg: dict[str, Any], key: str) -> int | None:
+def _opt_int(cfg: dict[str, Any], key: str, *, minimum: int = 1) -> int | None:
+    """cfg[key], an int >= minimum, or None where it is absent (or null)."""
     value = cfg.get(key)
     if value is None:
         return None
     if not is_int(value):
         raise ValueError(f"config {key} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"config {key} must be >= {minimum}, got {value!r}")
     return value
 
 
-def _req_int(cfg: dict[str, Any], key: str) -> int:
-    value = _opt_int(cfg, key)
+def _req_int(cfg: dict[str, Any], key: str, *, minimum: int = 1) -> int:
+    value = _opt_int(cfg, key, minimum=minimum)
     if value is None:
         raise ValueError(f"config is missing {key}")
     return value
@@ -148,9 +183,7 @@ def _req_int(cfg: dict[str, Any], key: str) -> int:
 def model_groups(config: dict[str, Any]) -> list[str]:
     """The KV groups the model has: ["full"], or ["full", "swa"] (or ["swa"]) for hybrid
     models. Raises ValueError for a config that is not a dict or lacks num_hidden_layers."""
-    if not isinstance(config, dict):
-        raise ValueError(f"config must be a dict, got {type(config).__name__}")
-    cfg = config.get("text_config") or config
+    cfg = _text_config(config)
     if cfg.get("kv_lora_rank") is not None:
         return ["full"]
     full, swa = _split_layers(cfg, _req_int(cfg, "num_hidden_layers"))

@@ -81,22 +81,18 @@ class FetchMixin(WritePolicyMixin):
 
     def _room_locked(self, keys: list[bytes]) -> int:
         """Pages that could be had now without evicting a resident key of `keys`."""
-        held = sum(1 for k in keys if k in self.index and not self.index.pins(k) and not self.index.refs(k))
-        return self.index.free_pages + self.index.evictable_pages - held
+        return self.index.room(keys)
 
     def _reserve_locked(self, keys: list[bytes], fetch: list[bytes]) -> tuple[list[int], list[tuple[bytes, int]]]:
         """Pages for as many of `fetch` as fit, never evicting a resident key of `keys`;
-        the resident ones become most recently used."""
-        held = [k for k in keys if k in self.index]
-        for k in held:
-            self.index.ref(k)
-        try:
-            n = min(len(fetch), self.index.free_pages + self.index.evictable_pages)
-            got = self.index.allocate(n)
-        finally:
-            for k in reversed(held):
-                self.index.unref(k)  # head last: most recently used
+        the resident ones become most recently used. Leaves every resident key of `keys`
+        resident (a key above a shrunken limit too)."""
+        keep = set(keys)
+        got = self.index.allocate(min(len(fetch), self.index.room(keep)), keep)
         assert got is not None
+        for k in reversed(keys):
+            if k in self.index:
+                self.index.touch(k)  # head last: most recently used
         pages, evicted = got
         return pages, self._evicted_locked(evicted)
 
@@ -193,5 +189,6 @@ class FetchMixin(WritePolicyMixin):
                 for k, _ in reversed(done):
                     if failed and ref:
                         self.index.unref(k)  # the caller gets no result to release
-                    self.index.touch(k)  # the run's head ends most recently used
+                    if k in self.index:  # not dropped meanwhile (drop, evict; unref above the limit)
+                        self.index.touch(k)  # the run's head ends most recently used
         return done

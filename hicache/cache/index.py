@@ -11,7 +11,8 @@ A page is in exactly one state:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from itertools import islice
 
 from hicache.validate import is_int
 
@@ -47,6 +48,9 @@ class HostIndex:
         # called with ("stored" | "removed", keys) after each change of what is resident, under
         # the owner's lock, so in order (KV events); must only record, never block
         self.observer: Callable[[str, list[bytes]], None] | None = None
+        # called with each key dropped on its release above a shrunken limit (unpin, unref),
+        # under the owner's lock, so that the owner forgets what it knew of the key
+        self.on_drop: Callable[[bytes], None] | None = None
 
     # ---- queries ----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -62,6 +66,14 @@ class HostIndex:
     @property
     def evictable_pages(self) -> int:
         return len(self._lru)
+
+    @property
+    def reserved_pages(self) -> int:
+        return len(self._reserved)
+
+    def room(self, keep: Collection[bytes] = ()) -> int:
+        """Pages allocate(n, keep) can hand out: free ones and evictable ones not of `keep`."""
+        return len(self._free) + len(self._lru) - sum(1 for k in set(keep) if k in self._lru)
 
     def page_of(self, key: bytes) -> int | None:
         """The page holding `key`, or None. Does not touch the LRU order."""
@@ -87,20 +99,23 @@ class HostIndex:
         return list(self._entries)
 
     # ---- allocation -------------------------------------------------------------------------
-    def allocate(self, n: int) -> tuple[list[int], list[tuple[bytes, int]]] | None:
-        """Reserve n pages, evicting least-recently-used keys if needed.
+    def allocate(self, n: int, keep: Collection[bytes] = ()) -> tuple[list[int], list[tuple[bytes, int]]] | None:
+        """Reserve n pages, evicting least-recently-used keys, never one of `keep`, if needed.
 
         Returns (pages, evicted (key, page) pairs), or None, with nothing changed, when
-        free + evictable pages < n. The evicted pages are among the returned ones: a
-        caller that keeps evicted data (write-back) must read it before overwriting.
+        room(keep) < n. The evicted pages are among the returned ones: a caller that keeps
+        evicted data (write-back) must read it before overwriting.
         """
         if not is_int(n) or n < 0:
             raise ValueError(f"page count must be an int >= 0, got {n!r}")
-        if n > len(self._free) + len(self._lru):
+        keep = set(keep)
+        if n > self.room(keep):
             return None
+        need = n - len(self._free)
+        victims = list(islice((k for k in self._lru if k not in keep), max(need, 0)))  # oldest first
         evicted = []
-        while len(self._free) < n:
-            key, _ = self._lru.popitem(last=False)
+        for key in victims:
+            del self._lru[key]
             page = self._entries.pop(key).page
             self._free.append(page)  # evictable pages are all below the limit
             evicted.append((key, page))
@@ -127,11 +142,16 @@ class HostIndex:
             self.observer("stored", [key])
 
     def release(self, pages: Iterable[int]) -> None:
-        """Return reserved pages that were never bound (a failed or abandoned copy)."""
+        """Return reserved pages that were never bound (a failed or abandoned copy).
+        Raises ValueError, with nothing released, for a page not reserved or listed twice."""
         pages = list(pages)
+        seen: set[int] = set()
         for page in pages:
             if page not in self._reserved:
                 raise ValueError(f"page {page} is not reserved")
+            if page in seen:
+                raise ValueError(f"page {page} is listed twice")
+            seen.add(page)
         for page in pages:
             self._reserved.remove(page)
             self._give_back(page)
@@ -200,6 +220,8 @@ class HostIndex:
             if entry.page >= self.limit:  # above a shrunken limit: dropped, not kept
                 del self._entries[key]
                 self._give_back(entry.page)
+                if self.on_drop is not None:
+                    self.on_drop(key)
                 if self.observer is not None:
                     self.observer("removed", [key])
                 return
@@ -214,11 +236,12 @@ class HostIndex:
 
     # ---- resizing -----------------------------------------------------------------------------
     def resize(self, limit: int) -> list[tuple[bytes, int]]:
-        """Use pages [0, limit) only. Shrinking evicts the evictable keys above the limit
-        (returned, as evict() does) and retires the free pages there; a pinned, referenced or
-        reserved page above it retires when released (its key is then dropped). Growing
-        brings retired pages below the new limit back. Raises ValueError for a limit
-        outside [1, num_pages]."""
+        """Use pages [0, limit) only. Every call evicts the keys above the limit that are
+        neither pinned nor referenced (returned, as evict() does); shrinking retires the free
+        pages there, and a pinned or referenced page above it retires when released (its key
+        is then dropped: on_drop). A page reserved above it stays out of use when bound, until
+        released or the next call. Growing brings retired pages below the new limit back.
+        Raises ValueError for a limit outside [1, num_pages]."""
         if not is_int(limit) or not 1 <= limit <= self.num_pages:
             raise ValueError(f"limit must be an int in [1, {self.num_pages}], got {limit!r}")
         old, self.limit = self.limit, limit
@@ -229,15 +252,15 @@ class HostIndex:
             for key, entry in self._entries.items():  # bound above the old limit while it stood
                 if entry.page < limit and not entry.pins and not entry.refs and key not in self._lru:
                     self._lru[key] = None
-            return []
-        keep = [p for p in self._free if p < limit]
-        for page in self._free:
-            if page >= limit:
-                self._give_back(page)
-        self._free = keep
-        evicted = [(k, e.page) for k, e in self._entries.items() if e.page >= limit and k in self._lru]
+        else:
+            keep = [p for p in self._free if p < limit]
+            for page in self._free:
+                if page >= limit:
+                    self._give_back(page)
+            self._free = keep
+        evicted = [(k, e.page) for k, e in self._entries.items() if e.page >= limit and not e.pins and not e.refs]
         for key, page in evicted:
-            del self._lru[key]
+            self._lru.pop(key, None)
             del self._entries[key]
             self._give_back(page)
         self.evictions += len(evicted)

@@ -75,6 +75,7 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
             raise ValueError(f"fetch_batch_pages must be >= 1, got {fetch_batch_pages}")
         self.fetch_batch_pages = fetch_batch_pages
         self.index = HostIndex(pool.num_pages)
+        self.index.on_drop = self._forget  # a key dropped on release above a shrunken limit
         self._lock = threading.RLock()
         self._pending: dict[bytes, object] = {}  # reserved key -> its Reservation's owner, "load" or PrefetchHandle
         self._queued: set[bytes] = set()  # keys referenced by a queued storage write
@@ -250,10 +251,11 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         """Use host pages [0, pages) only (a shared host budget moved). Shrinking evicts the
         evictable keys above the line (write_back stores them first); a key there that is
         pinned or being read is dropped when released, without a write-back, and its page is
-        returned by the next call. Returns the pages above the line that hold nothing now,
-        whose memory the caller may give back. A caller that grows commits the
-        memory of the pages that come back first. Calls must not overlap (the sidecar
-        rebalances under one lock). Raises ValueError for pages outside [1, the pool's pages]."""
+        returned by the next call. A key bound there after the shrink (its copy was in flight)
+        stays resident, never evicted to make room, until a reference or pin of it ends or
+        the next call evicts it. Returns the pages above the line that hold nothing now, whose memory the caller
+        may give back. A caller that grows commits the memory of the pages that come back
+        first. Calls must not overlap (the sidecar rebalances under one lock). Raises ValueError for pages outside [1, the pool's pages]."""
         with self._lock:
             evicted = self.index.resize(pages)
             backups = self._evicted_locked(evicted)
@@ -294,8 +296,7 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
         queued write holds a reference, and the metadata names only resident keys."""
         with self._lock:
             self.index.check_integrity()
-            reserved = self.index.num_pages - self.index.free_pages - len(self.index)
-            assert reserved == len(self._pending), (reserved, len(self._pending))
+            assert self.index.reserved_pages == len(self._pending), (self.index.reserved_pages, len(self._pending))
             assert all(k not in self.index for k in self._pending)
             for k in self._queued:
                 assert self.index.refs(k) >= 1, k.hex()

@@ -207,7 +207,9 @@ class BlockLayout(Layout):
     inside it, so vLLM's order within a page (its [H, N, C] cells) is kept as is.
 
     Name: "vllm_blocks:<offset>:<layer_stride>:<block_stride>". `extent`: the bytes of the
-    memory. Raises ValueError for a malformed name, blocks that overlap, or memory too small.
+    memory. The strides must nest: the smaller one at least a block, the larger one past a
+    whole run of the smaller. Raises ValueError for a malformed name, blocks that overlap,
+    or memory too small.
     """
 
     PREFIX = "vllm_blocks"
@@ -215,10 +217,15 @@ class BlockLayout(Layout):
     def __init__(self, geometry: KVGeometry, num_pages: int, name: str, extent: int):
         self.offset, self.layer_stride, self.block_stride = parse_block_layout(name)
         block = geometry.page_bytes_for(1)
-        if self.block_stride < block or (geometry.layer_num > 1 and self.layer_stride < block):
-            raise ValueError(
-                f"device layout {name!r}: strides smaller than one layer's page of {block} bytes would overlap"
-            )
+        span = block  # bytes covered by one run of the smaller stride's blocks
+        for stride, count in sorted(((self.layer_stride, geometry.layer_num), (self.block_stride, num_pages))):
+            if count > 1 and stride < span:
+                raise ValueError(
+                    f"device layout {name!r}: layer stride {self.layer_stride} and block stride "
+                    f"{self.block_stride} would overlap ({geometry.layer_num} layers, {num_pages} pages "
+                    f"of {block}-byte blocks)"
+                )
+            span += (count - 1) * stride
         end = self.offset + (geometry.layer_num - 1) * self.layer_stride + (num_pages - 1) * self.block_stride + block
         if extent < end:
             raise ValueError(

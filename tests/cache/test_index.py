@@ -110,3 +110,53 @@ def test_random_operations_keep_integrity(ops):
         except (KeyError, ValueError):
             pass
         index.check_integrity()
+
+
+def test_release_of_a_page_listed_twice_changes_nothing():
+    index = HostIndex(4)
+    got = index.allocate(3)
+    assert got is not None
+    pages = got[0]
+    with pytest.raises(ValueError, match=f"page {pages[0]} is listed twice"):
+        index.release([pages[0], pages[1], pages[0], pages[2]])
+    assert index.free_pages == 1  # nothing released
+    index.release(pages)
+    assert index.free_pages == 4
+    index.check_integrity()
+
+
+def test_allocate_never_evicts_a_kept_key():
+    index = HostIndex(3)
+    fill(index, [k(1), k(2), k(3)])  # LRU: 1, 2, 3
+    assert index.room([k(1), k(9)]) == 2
+    assert index.allocate(3, keep=[k(1)]) is None
+    got = index.allocate(2, keep=[k(1)])
+    assert got is not None and [key for key, _ in got[1]] == [k(2), k(3)]
+    assert k(1) in index
+    index.check_integrity()
+
+
+def test_a_key_dropped_above_a_shrunken_limit_is_reported():
+    index = HostIndex(4)
+    dropped: list[bytes] = []
+    index.on_drop = dropped.append
+    fill(index, [k(0), k(1), k(2), k(3)])
+    index.pin(k(3))  # page 3
+    index.resize(2)
+    assert k(3) in index and dropped == []
+    index.unpin(k(3))  # released above the line: dropped, and its owner told so
+    assert k(3) not in index and dropped == [k(3)]
+    index.check_integrity()
+
+
+def test_a_key_bound_above_the_limit_after_a_shrink_goes_at_the_next_resize():
+    index = HostIndex(4)
+    got = index.allocate(4)
+    assert got is not None
+    index.resize(2)  # pages 2 and 3 are reserved: copies in flight
+    index.bind(k(1), 3)
+    index.release([0, 1, 2])
+    index.take_retired()
+    assert index.resize(2) == [(k(1), 3)]  # idle above the line: evicted, its page retired
+    assert k(1) not in index and index.take_retired() == [3]
+    index.check_integrity()

@@ -145,3 +145,18 @@ def test_prefetch_and_load_meet_and_host_space_limits(setup):
     empty = cache.prefetch([key(9)])
     assert empty.status().finished and empty.status().total == 0 and empty.result().ready == 0
     cache.check_integrity()
+
+
+def test_a_key_dropped_while_a_later_batch_reads_fails_nothing(setup, caplog):
+    cache, tier = setup("mimo_kv", stored=4, prefetch_policy="wait_complete")
+    tier.permits = threading.Semaphore(1)  # the first batch (keys 0 and 1) reads, the second waits
+    handle = cache.prefetch([key(i) for i in range(4)])
+    status = handle.status()
+    while status.done < 2:
+        status = handle.wait_for_update(status, timeout=60)
+    assert cache.drop([key(1)]) == ["evicted"]
+    tier.permits.release()
+    result = handle.result()
+    assert result.status.done == 4 and result.status.failed == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no "storage fetch failed"
+    assert cache.evict(1) == 1 and key(0) in cache.index  # every key left was touched, head last

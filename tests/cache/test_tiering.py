@@ -292,3 +292,42 @@ def test_pages_written_to_storage_are_exact_and_uncopied_where_the_pool_has_piec
     finally:
         cache.close()
         pool.close()
+
+
+def test_a_host_shrink_leaves_the_cache_consistent(build):
+    g = GEOMETRIES["mimo_kv"]
+    cache = build("mimo_kv", 4, MemoryTier(identity(g)))
+    ks = [key(i) for i in range(4)]
+    assert cache.put(ks, [payload(g, i) for i in range(4)]) and cache.flush(30)
+    cache.pin([ks[3]])
+    page = cache.index.page_of(ks[3])
+    assert page is not None and page >= 1
+    retired = cache.resize_host(1)
+    cache.check_integrity()  # the retired pages are neither free nor reserved
+    assert page not in retired and ks[3] in cache.index
+    cache.unpin([ks[3]])  # released above the line: dropped, and forgotten by the cache
+    assert ks[3] not in cache.index
+    cache.check_integrity()
+    assert cache.lookup([ks[3]]) == ["storage"]
+    assert cache.resize_host(1) == [page]
+
+
+def test_a_key_bound_above_a_shrunken_line_stays_resident_through_reserve(build):
+    g = GEOMETRIES["mimo_kv"]
+    cache = build("mimo_kv", 4, MemoryTier(identity(g)), write_policy="write_through_selective")
+    ks = [key(i) for i in range(3)]
+    assert cache.put([ks[0]], [payload(g, 0)])
+    res = cache.reserve([ks[1]])  # a copy in flight across the shrink
+    assert res is not None
+    ((_, page),) = res.new
+    cache.pool.write_page(page, payload(g, 1))
+    cache.resize_host(1)
+    assert page >= 1
+    cache.commit(res)  # bound above the line
+    again = cache.reserve([ks[1], ks[2]], partial=True)
+    assert again is not None and again.existing == [(ks[1], page)] and ks[1] in cache.index
+    assert host_bytes(cache, ks[1]) == payload(g, 1)
+    cache.abort(again)
+    cache.check_integrity()
+    assert cache.flush(30)
+    assert cache.resize_host(1) == [page] and ks[1] not in cache.index  # its page goes back at last

@@ -243,3 +243,51 @@ def test_geometry_is_frozen():
     g = KVGeometry(**BASE)
     with pytest.raises(AttributeError):
         g.v_head_dim = 192  # type: ignore[misc]
+
+
+LLAMA_LIKE = {"num_hidden_layers": 2, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8}
+
+
+@pytest.mark.parametrize(
+    "cfg,kwargs,message",
+    [
+        (dict(LLAMA_LIKE, num_key_value_heads=0), {}, "config num_key_value_heads must be >= 1, got 0"),
+        (dict(LLAMA_LIKE, v_head_dim=0), {}, "config v_head_dim must be >= 1, got 0"),
+        (dict(LLAMA_LIKE, head_dim=0), {}, "config head_dim must be >= 1, got 0"),
+        (dict(LLAMA_LIKE, num_hidden_layers=0), {}, "config num_hidden_layers must be >= 1, got 0"),
+        (
+            dict(LLAMA_LIKE, hidden_size=4100),
+            {},
+            "config hidden_size 4100 is not a multiple of num_attention_heads 32",
+        ),
+        ({"num_hidden_layers": 2, "kv_lora_rank": 512}, {}, "config is missing qk_rope_head_dim"),
+        ({"num_hidden_layers": 2, "kv_lora_rank": 0, "qk_rope_head_dim": 64}, {}, "config kv_lora_rank must be >= 1"),
+        (dict(LLAMA_LIKE, text_config="x"), {}, "config text_config must be a dict, got 'x'"),
+        (dict(LLAMA_LIKE, text_config=[1]), {}, r"config text_config must be a dict, got \[1\]"),
+        (LLAMA_LIKE, {"dtype": ["x"]}, r"dtype must be a string, got \['x'\]"),
+        (dict(LLAMA_LIKE, torch_dtype=["float16"]), {"dtype": "auto"}, r"config torch_dtype must be a string"),
+    ],
+)
+def test_from_hf_config_refuses_what_it_cannot_read(cfg, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KVGeometry.from_hf_config(cfg, **kwargs)
+
+
+def test_an_unhashable_dtype_is_a_value_error():
+    with pytest.raises(ValueError, match=r"KV dtype must be a string, got \['bf16'\]"):
+        KVGeometry(**dict(BASE, dtype=["bf16"]))
+
+
+def test_auto_dtype_reads_the_wrapper_then_its_text_config():
+    inner = dict(LLAMA_LIKE, torch_dtype="float32")
+    assert KVGeometry.from_hf_config({"torch_dtype": "float16", "text_config": inner}, dtype="auto").dtype == "float16"
+    assert KVGeometry.from_hf_config({"text_config": inner}, dtype="auto").dtype == "float32"
+    assert KVGeometry.from_hf_config({"text_config": LLAMA_LIKE}, dtype="auto").dtype == "bfloat16"
+    assert KVGeometry.from_hf_config(dict(LLAMA_LIKE, dtype="float16"), dtype="auto").dtype == "float16"
+
+
+def test_a_wrapped_fixture_config_parses_as_the_bare_one_in_the_wrappers_dtype():
+    for name in ("deepseek_v3", "llama_3_1_8b", "mimo_v2_flash", "qwen3_8b"):
+        bare = load_config(name)  # torch_dtype bfloat16
+        wrapped = {"torch_dtype": "float16", "text_config": bare}
+        assert KVGeometry.from_hf_config(wrapped, dtype="auto") == KVGeometry.from_hf_config(bare, dtype="float16")

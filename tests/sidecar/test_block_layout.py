@@ -151,3 +151,17 @@ def test_cuda_memory_in_an_engine_layout_needs_cuda_on_the_sidecar(served: str) 
         with pytest.raises(HiCacheRpcError, match="'sglang_page_first' needs memory of kind fd or shm, got 'cuda_ipc'"):
             client.register_memory(g, 10, cuda, device_layout="sglang_page_first")
         assert client.stats(all_pools=True) == []  # nothing was left registered
+
+
+def test_block_layout_refuses_strides_whose_blocks_interleave() -> None:
+    g = KVGeometry(layer_num=2, head_num=1, head_dim=8, v_head_dim=8, page_size=1, dtype="float32")
+    blk = g.page_bytes_for(1)
+    name = block_layout_name(0, blk, blk)  # (layer 1, page 0) would be (layer 0, page 1)
+    with pytest.raises(ValueError, match=f"layer stride {blk} and block stride {blk} would overlap"):
+        BlockLayout(g, 4, name, extent=10 * blk)
+    with pytest.raises(ValueError, match="would overlap"):  # layer-major: a layer's pages must end first
+        BlockLayout(g, 4, block_layout_name(0, 3 * blk, blk), extent=10 * blk)
+    with pytest.raises(ValueError, match="would overlap"):  # block-major: a block's layers must end first
+        BlockLayout(g, 4, block_layout_name(0, blk, blk + 1), extent=10 * blk)
+    assert BlockLayout(g, 4, block_layout_name(0, 4 * blk, blk), extent=8 * blk).nbytes == 8 * blk
+    assert BlockLayout(g, 4, block_layout_name(0, blk, 2 * blk), extent=8 * blk).nbytes == 8 * blk
