@@ -79,8 +79,8 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
                 raise ValueError(f"SGLang host pool {name!r} does not match the model config: {detail}")
         register_kw = {
             "namespace": opts.namespace,
-            "model_id": self.model_id,
-            # MLA latents are the same on every rank: all ranks read one identity
+            "model_id": self.model_id + (mla_shard(cfg) if mla else ""),
+            # MLA latents are the same on every TP rank of one CP shard: those read one identity
             "tp_rank": 0 if mla else cfg.tp_rank,
             "tp_size": 1 if mla else cfg.tp_size,
         }
@@ -106,9 +106,35 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             down = isinstance(exc, OSError) or exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
             fix = " (is hicache-server running there? check 'target' in the extra config)" if down else ""
             raise ValueError(f"hicache sidecar at {opts.target} refused SGLang's {name!r} pool: {exc}{fix}") from None
+        if mla and name == "kv":
+            try:
+                self._check_mla_readers(link)
+            except BaseException:
+                link.close()
+                raise
         self.links[name] = link
         how = "direct (SGLang's memfds)" if direct else "through a staging pool"
         log.info("hicache: SGLang pool %r is sidecar pool %s, %s (%s)", name, link.pool_id, how, geometry)
+
+    def _check_mla_readers(self, link: PoolLink) -> None:
+        """SGLang stores MLA pages from its writer ranks only (tp_rank == dcp_rank), so the
+        other ranks can read them only from the sidecar's storage tier; without one they never
+        hit, and SGLang takes the smallest hit over its TP ranks. Raises ValueError."""
+        cfg = self.storage_config
+        if cfg.tp_size <= getattr(cfg, "dcp_size", 1):
+            return  # every rank is a writer
+        backend = self.client.stats(pool=link.pool_id)[0].storage_backend
+        if backend == "none":
+            raise ValueError(
+                f"MLA with tp_size {cfg.tp_size} needs a storage tier on the hicache sidecar at {self.options.target} "
+                "(SGLang stores only from rank 0, the other ranks read from storage); it has storage backend 'none'"
+            )
+        if getattr(cfg, "attn_cp_size", 1) > 1:
+            self._say(
+                "mla:attn_cp",
+                f"MLA with attention context parallelism (size {cfg.attn_cp_size}): SGLang stores only rank 0's "
+                "slice of each page, so the other CP ranks miss and prefixes do not hit from storage",
+            )
 
     # ---- the data path: never raises ---------------------------------------------------------
     def _say(self, what: str, message: str) -> None:
@@ -258,3 +284,15 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
         self.client.close()
         for link in self.links.values():
             link.close()
+
+
+def mla_shard(cfg: HiCacheStorageConfig) -> str:
+    """The model identity's suffix for an MLA rank's slice of each page: under attention or
+    decode context parallelism each CP rank holds a different part of every page, so its
+    pages must not be read by another CP rank ("" without CP)."""
+    out = ""
+    if getattr(cfg, "attn_cp_size", 1) > 1:
+        out += f"|cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}"
+    if getattr(cfg, "dcp_size", 1) > 1:
+        out += f"|dcp{cfg.dcp_rank}of{cfg.dcp_size}|page{cfg.logical_page_size}"
+    return out

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from hicache.geometry import KVGeometry, model_geometries, normalize_dtype
+from hicache.hf_config import geometry_kwargs
 
 _LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -24,11 +25,17 @@ def dtype_name(dtype: Any) -> str:
     return normalize_dtype(str(dtype).removeprefix("torch."))
 
 
-def geometry_from_spec(spec: Any, layer_num: int, layer_ids: Sequence[int] | None = None) -> KVGeometry:
+def geometry_from_spec(
+    spec: Any,
+    layer_num: int,
+    layer_ids: Sequence[int] | None = None,
+    hf_config: dict[str, Any] | None = None,
+) -> KVGeometry:
     """The geometry of `layer_num` layers of one vLLM AttentionSpec (FullAttentionSpec,
     SlidingWindowSpec, MLAAttentionSpec, ...). An MLA spec's head_size is the whole latent
-    row (kv_lora_rank + qk_rope_head_dim); it is kept as one kv_lora_rank. Raises ValueError
-    for a spec whose pages hold more than K and V rows (quantization scales, packed cells)."""
+    row; its split into kv_lora_rank + qk_rope_head_dim comes from the model's `hf_config`
+    (required for MLA), and must add up to it. Raises ValueError for that, and for a spec
+    whose pages hold more than K and V rows (quantization scales, packed cells)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, KVQuantMode, MLAAttentionSpec
 
     if not isinstance(spec, AttentionSpec):
@@ -38,11 +45,13 @@ def geometry_from_spec(spec: Any, layer_num: int, layer_ids: Sequence[int] | Non
         raise ValueError(f"{type(spec).__name__} with packed or quantized cells has no hicache geometry: {spec}")
     ids = tuple(layer_ids) if layer_ids is not None else None
     if isinstance(spec, MLAAttentionSpec):
+        rank, rope = mla_split(hf_config, spec.head_size)
         return KVGeometry(
             attention="mla",
             layer_num=layer_num,
             head_num=1,
-            kv_lora_rank=spec.head_size,
+            kv_lora_rank=rank,
+            qk_rope_head_dim=rope,
             page_size=spec.block_size,
             dtype=dtype_name(spec.dtype),
             layer_ids=ids,
@@ -56,6 +65,23 @@ def geometry_from_spec(spec: Any, layer_num: int, layer_ids: Sequence[int] | Non
         dtype=dtype_name(spec.dtype),
         layer_ids=ids,
     )
+
+
+def mla_split(hf_config: dict[str, Any] | None, head_size: int) -> tuple[int, int]:
+    """(kv_lora_rank, qk_rope_head_dim) from the model's HF config, checked to add up to the
+    latent width vLLM allocates (its MLA spec's head_size). Raises ValueError."""
+    if hf_config is None:
+        raise ValueError(f"an MLA KV cache (latent width {head_size}) needs the model config for its split")
+    found = geometry_kwargs(hf_config, tp_size=1, page_size=1, dtype="bfloat16", group="full")
+    if found["attention"] != "mla":
+        raise ValueError(f"vLLM's KV cache is MLA (latent width {head_size}), the model config is not")
+    rank, rope = found["kv_lora_rank"], found["qk_rope_head_dim"]
+    if rank + rope != head_size:
+        raise ValueError(
+            f"model config kv_lora_rank {rank} + qk_rope_head_dim {rope} = {rank + rope}, "
+            f"but vLLM's MLA latent width (head_size) is {head_size}"
+        )
+    return rank, rope
 
 
 def layer_ids_of(layer_names: Sequence[str]) -> tuple[int, ...] | None:

@@ -4,9 +4,14 @@ vLLM asks lookup() one chunk at a time, holding the scheduler. So a chunk the ma
 not seen answers RETRY, and at the end of the step background Lookups on each worker pool
 (BATCH page keys per call, see batches) resolve every chunk asked for: HIT when each rank
 holds all its pages in host memory, HIT_PENDING (and a Prefetch) when some are in storage
-only, MISS otherwise. Answers are reused for lookup_ttl_s. A sidecar that fails a call makes
-every lookup a MISS and every store a refusal for retry_s; no call here raises into the
-scheduler.
+only, MISS otherwise. Answers are reused for lookup_ttl_s.
+
+vLLM 0.33 cannot take a failed load (its OffloadingConnectorWorker asserts on it, which
+kills the worker), so a HIT must stay loadable: the lookup thread pins a chunk's pages on
+every rank before it answers HIT (a chunk whose pin fails is a MISS), a load shares those
+pins until complete_load, and they are released (off the scheduler thread) once the answer
+has expired and no load holds them. A sidecar that fails a call makes every lookup a MISS
+and every store a refusal for retry_s; no call here raises into the scheduler.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -53,23 +57,43 @@ class HiCacheLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc]
         return f"HiCacheLoadStoreSpec({len(self.keys)} chunks)"
 
 
+class _Pins:
+    """The pins the lookup thread took on one chunk's pages, per rank pool. Held by the chunk's
+    HIT answer and by each load of the chunk; unpinned once no holder is left."""
+
+    __slots__ = ("holders", "pages")
+
+    def __init__(self, pages: list[tuple[str, list[bytes]]]):
+        self.pages, self.holders = pages, 1
+
+
 class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def __init__(self, options: Options, config: OffloadingConfig, client: HiCacheClient):
         self.options, self.config, self.client = options, config, client
         self.blocks_per_chunk = config.cache.blocks_per_chunk
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # vLLM holds it around every call; the lookup thread takes it too
         self._known: dict[bytes, tuple[LookupResult, float]] = {}
+        self._held: dict[bytes, _Pins] = {}  # the pins behind each HIT answer in _known
+        self._loads: dict[tuple[str, tuple[bytes, ...]], list[list[_Pins]]] = {}  # (req id, keys) -> pins
+        self._released: list[_Pins] = []  # no holder left: to unpin on the lookup thread
         self._pending: dict[bytes, None] = {}
         self._inflight: Future[None] | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-lookup")
+        self._timer: threading.Timer | None = None
+        self._closed = False
         self._down_until = 0.0
         self._pools: list[dict[int, tuple[str, str]]] | None = None
-        self._pins: Counter[tuple[str, bytes]] = Counter()
         self._events: list[OffloadingEvent] | None = [] if config.enable_kv_cache_events else None
 
     @property
     def lock(self) -> threading.Lock:
         return self._lock
+
+    def pinned_pages(self) -> int:
+        """How many page pins this manager holds on the sidecar (answers and loads)."""
+        with_holders = {id(p): p for p in self._held.values()}
+        with_holders.update((id(p), p) for loads in self._loads.values() for pins in loads for p in pins)
+        return sum(len(keys) for p in [*with_holders.values(), *self._released] for _, keys in p.pages)
 
     # ---- lookups -------------------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -83,18 +107,22 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return LookupResult.RETRY
 
     def on_schedule_end(self, context: Any) -> None:
+        self._expire(time.monotonic())
         if self._pending and (self._inflight is None or self._inflight.done()):
             keys, self._pending = list(self._pending), {}
-            self._inflight = self._executor.submit(self._resolve, keys)
+            self._inflight = self._submit(self._resolve, keys)
+        self._flush()
 
     def has_pending_work(self) -> bool:
         return bool(self._pending) or (self._inflight is not None and not self._inflight.done())
 
     def _resolve(self, keys: list[bytes]) -> None:
-        """Runs on the lookup thread: ask every rank's pool, then publish under the lock."""
+        """Runs on the lookup thread: ask every rank's pool, pin the hits, then publish under
+        the lock."""
         failed: Exception | None = None
+        pins: dict[bytes, _Pins] = {}
         try:
-            answers, ttl = self._ask(keys), self.options.lookup_ttl_s
+            answers, ttl = self._ask(keys, pins), self.options.lookup_ttl_s
         except Exception as exc:  # a down sidecar, or anything else: misses, never a raise
             failed, answers, ttl = exc, dict.fromkeys(keys, LookupResult.MISS), self.options.retry_s
         now = time.monotonic()
@@ -102,16 +130,28 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
             if failed is not None:
                 self._fail("lookup", failed)
             for key, answer in answers.items():
+                old = self._held.pop(key, None)  # an expired answer asked again: its pins go
+                if old is not None:
+                    self._drop(old)
                 life = PENDING_TTL_S if answer is LookupResult.HIT_PENDING else ttl
                 self._known[key] = (answer, now + life)
+                if answer is LookupResult.HIT:
+                    self._held[key] = pins.pop(key)
+            self._released += pins.values()  # the pins of chunks that are not HITs
             self._expire(now)
+            released, self._released = self._released, []
+        self._unpin(released)
+        self._arm()
 
-    def _ask(self, keys: list[bytes]) -> dict[bytes, LookupResult]:
+    def _ask(self, keys: list[bytes], pins: dict[bytes, _Pins]) -> dict[bytes, LookupResult]:
+        """Each chunk's answer. The pages of each HIT are pinned on every rank first, recorded
+        in `pins` as they are taken (a chunk whose pin fails is a MISS)."""
         bpc = self.blocks_per_chunk
         answers = dict.fromkeys(keys, LookupResult.HIT)
         for group, chunks in _by_group(keys).items():
             page_keys = [k for c in chunks for k in chunk_page_keys(c, bpc)]
-            for pool in self._group_pools(group):
+            pools = self._group_pools(group)
+            for pool in pools:
                 tiers = self._tiers(page_keys, pool)
                 fetch: list[bytes] = []
                 for i, chunk in enumerate(chunks):
@@ -124,6 +164,22 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
                             answers[chunk] = LookupResult.HIT_PENDING
                 for part in batches(fetch, BATCH):
                     self.client.prefetch(part, policy="best_effort", pool=pool)
+            hits = [c for c in chunks if answers[c] is LookupResult.HIT]
+            hit_pages = [k for c in hits for k in chunk_page_keys(c, bpc)]
+            for chunk in hits:
+                pins[chunk] = _Pins([])
+            for pool in pools:
+                statuses: list[KeyStatus] = []
+                try:
+                    for part in batches(hit_pages, BATCH):
+                        statuses += self.client.pin(part, pool=pool)
+                finally:  # record what got pinned, even when a later batch failed
+                    for i, chunk in enumerate(hits):
+                        got = zip(hit_pages[i * bpc : (i + 1) * bpc], statuses[i * bpc : (i + 1) * bpc], strict=False)
+                        pinned = [k for k, s in got if s is KeyStatus.PINNED]
+                        pins[chunk].pages.append((pool, pinned))
+                        if len(pinned) < bpc:  # evicted since the Lookup: never a HIT without its pins
+                            answers[chunk] = LookupResult.MISS
         return answers
 
     def _tiers(self, page_keys: list[bytes], pool: str) -> list[Tier]:
@@ -131,17 +187,18 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return [t for part in batches(page_keys, BATCH) for t in self.client.lookup(part, pool=pool).tiers]
 
     def _group_pools(self, group: int) -> list[str]:
-        """Every rank's pool for `group` (read from the workers' rendezvous once all wrote)."""
-        if self._pools is None:
-            self._pools = rendezvous.read(
-                self.options.meeting_dir, self.config.engine_id, self.config.parallel.world_size
-            )
-            if self._pools is None:
+        """Every rank's pool for `group` (read from the workers' rendezvous once all wrote).
+        Lookup thread only; _fail may reset self._pools meanwhile, so it is read once."""
+        pools = self._pools
+        if pools is None:
+            pools = rendezvous.read(self.options.meeting_dir, self.config.engine_id, self.config.parallel.world_size)
+            if pools is None:
                 raise LookupError(f"not every worker of engine {self.config.engine_id!r} has registered its pools yet")
-            for ranks in self._pools:
+            for ranks in pools:
                 for pool_id, secret in ranks.values():
                     self.client.attach(pool_id, secret)
-        return [ranks[group][0] for ranks in self._pools]
+            self._pools = pools
+        return [ranks[group][0] for ranks in pools]
 
     def _fail(self, what: str, exc: Exception) -> None:
         """Misses for retry_s. Called with the lock held."""
@@ -152,46 +209,90 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
             log.warning("hicache %s failed (%s); misses for %.0f s", what, exc, self.options.retry_s)
 
     def _expire(self, now: float) -> None:
+        """Drop the pins of expired HIT answers. Called with the lock held."""
+        for key in [k for k in self._held if self._known.get(k, (None, 0.0))[1] <= now]:
+            self._drop(self._held.pop(key))
         if len(self._known) > 100_000:
             self._known = {k: v for k, v in self._known.items() if v[1] > now}
 
+    # ---- pins ----------------------------------------------------------------------------------
+    def _drop(self, pins: _Pins) -> None:
+        """One holder of `pins` is done. Called with the lock held; _flush unpins."""
+        pins.holders -= 1
+        if pins.holders == 0:
+            self._released.append(pins)
+
+    def _flush(self) -> None:
+        """Unpin the released pins on the lookup thread. Called with the lock held."""
+        if self._released:
+            released, self._released = self._released, []
+            if self._submit(self._unpin, released) is None:
+                self._unpin(released)
+
+    def _unpin(self, released: list[_Pins]) -> None:
+        """Best effort: pins on a pool a restarted sidecar forgot are gone with it."""
+        for pins in released:
+            for pool, keys in pins.pages:
+                for part in batches(keys, BATCH):
+                    try:
+                        self.client.unpin(part, pool=pool)
+                    except Exception as exc:
+                        log.debug("hicache unpin on pool %s failed: %s", pool, exc)
+                        break
+
+    def _submit(self, fn: Any, *args: Any) -> Future[None] | None:
+        """fn(*args) on the lookup thread; None once shut down."""
+        try:
+            return self._executor.submit(fn, *args)
+        except RuntimeError:  # shut down
+            return None
+
+    def _arm(self) -> None:
+        """Unpin the answers that expire unused even when vLLM runs no step (lookup thread)."""
+        if self._closed or not self._held or (self._timer is not None and self._timer.is_alive()):
+            return
+        self._timer = threading.Timer(self.options.lookup_ttl_s + PENDING_TTL_S, self._submit, (self._sweep,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _sweep(self) -> None:
+        with self._lock:
+            self._expire(time.monotonic())
+            released, self._released = self._released, []
+        self._unpin(released)
+        self._arm()
+
     # ---- loads -------------------------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        """Pin the chunks' pages on every rank until complete_load."""
-        for pool, page_keys in self._pool_keys(keys):
-            for part in batches(page_keys, BATCH):
-                try:
-                    statuses = self.client.pin(part, pool=pool)
-                except Exception as exc:
-                    self._fail("pin", exc)
-                    break
-                self._pins.update((pool, k) for k, s in zip(part, statuses, strict=True) if s is KeyStatus.PINNED)
+        """The load shares the pins the chunks' HIT answers hold, until complete_load."""
+        try:
+            taken: list[_Pins] = []
+            for key in keys:
+                pins = self._held.get(key)
+                if pins is None:  # vLLM loads only chunks answered HIT in this step: not expected
+                    log.error("hicache: vLLM loads chunk %s that holds no pins; the load may fail", bytes(key).hex())
+                    continue
+                pins.holders += 1
+                taken.append(pins)
+            self._loads.setdefault((req_context.req_id, tuple(keys)), []).append(taken)
+        except Exception as exc:
+            log.warning("hicache prepare_load failed: %s", exc)
         return HiCacheLoadStoreSpec(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        for pool, page_keys in self._pool_keys(keys):
-            pinned = [k for k in page_keys if self._pins[(pool, k)] > 0]
-            for k in pinned:
-                self._pins[(pool, k)] -= 1
-                if not self._pins[(pool, k)]:
-                    del self._pins[(pool, k)]
-            for part in batches(pinned, BATCH):
-                try:
-                    self.client.unpin(part, pool=pool)
-                except Exception as exc:
-                    self._fail("unpin", exc)
-                    break
-
-    def _pool_keys(self, keys: Collection[bytes]) -> list[tuple[str, list[bytes]]]:
-        out = []
-        for group, chunks in _by_group(list(keys)).items():
-            page_keys = [k for c in chunks for k in chunk_page_keys(c, self.blocks_per_chunk)]
-            try:
-                pools = self._group_pools(group)
-            except LookupError:
-                continue
-            out += [(pool, page_keys) for pool in pools]
-        return out
+        """Release the pins this load took (only those: another load may share the chunks)."""
+        try:
+            key = (req_context.req_id, tuple(keys))
+            loads = self._loads.get(key)
+            if not loads:
+                return
+            for pins in loads.pop(0):
+                self._drop(pins)
+            if not loads:
+                del self._loads[key]
+            self._flush()
+        except Exception as exc:
+            log.warning("hicache complete_load failed: %s", exc)
 
     # ---- stores ------------------------------------------------------------------------------
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
@@ -208,6 +309,10 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         knows whether the pages were kept (a store it refused still reports success to vLLM)."""
         for key in keys:
             self._known.pop(key, None)
+            pins = self._held.pop(key, None)
+            if pins is not None:
+                self._drop(pins)
+        self._flush()
         if success and self._events is not None and keys:
             self._events.append(OffloadingEvent(keys=list(keys), medium=Medium.CPU, removed=False))
 
@@ -222,9 +327,24 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def reset_cache(self) -> None:
         self._known.clear()
         self._pending.clear()
+        for pins in self._held.values():
+            self._drop(pins)
+        self._held.clear()
+        self._flush()
 
     def shutdown(self) -> None:
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._lock:  # what no one will release now: best effort, the pools may be gone
+            held = {id(p): p for p in self._held.values()}
+            held.update((id(p), p) for loads in self._loads.values() for pins in loads for p in pins)
+            released = [*self._released, *held.values()]
+            self._held.clear()
+            self._loads.clear()
+            self._released.clear()
+        self._unpin(released)
         self.client.close()
 
 

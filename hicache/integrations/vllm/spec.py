@@ -4,8 +4,9 @@ kv_connector_extra_config {"spec_name": "HiCacheOffloadingSpec",
 
 vLLM builds one in the scheduler process (get_manager) and one per worker rank
 (get_worker). The geometry of each KV-cache group comes from vLLM's own KVCacheSpec of the
-group's layers when the worker runs inside vLLM, else from the model's HF config; either
-way it must give exactly the bytes per block that vLLM allocated.
+group's layers when the worker runs inside vLLM (an MLA latent's split into kv_lora_rank +
+qk_rope_head_dim from the HF config), else from the model's HF config; either way it must
+give exactly the bytes per block that vLLM allocated.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
@@ -62,16 +64,23 @@ class HiCacheOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         hf: dict[str, Any] | None = None
         out: list[tuple[KVGeometry, int]] = []
         for g, (group, refs) in enumerate(zip(cfg.groups, kv_caches.group_data_refs, strict=True)):
-            geometry = _live_geometry(group.layer_names)
-            if geometry is None:
+            live = _live_spec(group.layer_names)
+            ids = layer_ids_of(group.layer_names)
+            if live is not None and not isinstance(live, MLAAttentionSpec):
+                geometry = geometry_from_spec(live, len(group.layer_names), ids)
+            else:  # the HF config gives the geometry, or an MLA latent's split (vLLM's spec has none)
                 hf = hf if hf is not None else _hf_config(cfg, self.options)
-                geometry = geometry_from_hf(
-                    hf,
-                    sliding=group.sliding_window_size_in_chunks is not None,
-                    layer_names=group.layer_names,
-                    tp_size=cfg.parallel.tp_size,
-                    page_size=group.tokens_per_block,
-                    dtype=cfg.model.dtype,
+                geometry = (
+                    geometry_from_spec(live, len(group.layer_names), ids, hf)
+                    if live is not None
+                    else geometry_from_hf(
+                        hf,
+                        sliding=group.sliding_window_size_in_chunks is not None,
+                        layer_names=group.layer_names,
+                        tp_size=cfg.parallel.tp_size,
+                        page_size=group.tokens_per_block,
+                        dtype=cfg.model.dtype,
+                    )
                 )
             packed = check_page_bytes(geometry, [r.page_size_bytes for r in refs], g)
             out.append((geometry, geometry.page_bytes_for(1) if packed else 0))
@@ -93,9 +102,9 @@ def _hf_config(cfg: OffloadingConfig, options: Options) -> dict[str, Any]:
     )
 
 
-def _live_geometry(layer_names: tuple[str, ...]) -> KVGeometry | None:
-    """The geometry from vLLM's own KVCacheSpec of the layers, when this runs inside a vLLM
-    worker whose attention layers are built; None elsewhere."""
+def _live_spec(layer_names: tuple[str, ...]) -> Any:
+    """vLLM's own KVCacheSpec of the layers, when this runs inside a vLLM worker whose
+    attention layers are built; None elsewhere."""
     try:
         from vllm.config import get_current_vllm_config_or_none, get_layers_from_vllm_config
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -110,4 +119,4 @@ def _live_geometry(layer_names: tuple[str, ...]) -> KVGeometry | None:
     specs = [layers[n].get_kv_cache_spec(current) for n in layer_names]
     if len({repr(s) for s in specs}) != 1:  # a dataclass repr names the class and every field
         raise ValueError(f"the layers of one vLLM KV-cache group have different KV specs: {sorted(map(repr, specs))}")
-    return geometry_from_spec(specs[0], len(layer_names), layer_ids_of(layer_names))
+    return specs[0]

@@ -4,7 +4,9 @@ Each KV-cache group becomes one sidecar pool whose pages are vLLM's blocks, mapp
 vLLM's own allocation (its fd goes to the sidecar over the Unix socket), so an Offload or a
 Reload copies straight between vLLM's blocks and the sidecar's host pool. Registration runs
 when vLLM hands over its KV caches, and any error there stops vLLM's start-up. Transfers run
-on two threads (stores, loads) so that submitting never blocks vLLM's step.
+on three threads (stores, loads, expedited loads) so that submitting never blocks vLLM's
+step, and an expedited load (which vLLM waits for within the step) never queues behind
+regular loads.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             raise
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="hicache-store")
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
+        self._expedited = ThreadPoolExecutor(1, thread_name_prefix="hicache-load-now")
         self._jobs: dict[int, Future[TransferResult]] = {}
 
     # ---- registration --------------------------------------------------------------------------
@@ -128,16 +131,18 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     def submit_load(
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
     ) -> bool:
-        return self._submit(job_id, dst_spec, src_spec, store=False)
+        return self._submit(job_id, dst_spec, src_spec, store=False, expedited=expedited)
 
-    def _submit(self, job_id: int, gpu: GPULoadStoreSpec, chunks: LoadStoreSpec, *, store: bool) -> bool:
+    def _submit(
+        self, job_id: int, gpu: GPULoadStoreSpec, chunks: LoadStoreSpec, *, store: bool, expedited: bool = False
+    ) -> bool:
         if not isinstance(chunks, HiCacheLoadStoreSpec):
             raise TypeError(f"expected a HiCacheLoadStoreSpec, got {type(chunks).__name__}")
         moves = plan_moves(
             chunks.keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices, self.blocks_per_chunk
         )
         ready = _stream_event() if any(link.memory.cuda is not None for link in self.links) else None
-        pool = self._stores if store else self._loads
+        pool = self._stores if store else self._expedited if expedited else self._loads
         self._jobs[job_id] = pool.submit(self._run, job_id, moves, store, ready)
         return True
 
@@ -183,7 +188,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 future.exception()  # waits; _run never raises
 
     def shutdown(self) -> None:
-        for pool in (getattr(self, "_stores", None), getattr(self, "_loads", None)):
+        for pool in (getattr(self, name, None) for name in ("_stores", "_loads", "_expedited")):
             if pool is not None:
                 pool.shutdown(wait=True)
         rendezvous.withdraw(self.options.meeting_dir, self.config.engine_id, self.config.parallel.rank)

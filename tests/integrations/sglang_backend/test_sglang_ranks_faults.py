@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,66 @@ def test_mla_writer_writes_and_every_rank_reads(tmp_path: Path, sockdir: str, la
             assert [page_bytes(pool, p) for p in pages_of(dst)] == want
         for b in backends:
             b.close()
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("cp", ["dcp", "attn_cp"])
+def test_mla_context_parallel_ranks_never_read_each_others_slice(tmp_path: Path, sockdir: str, cp: str) -> None:
+    """Under decode or attention CP each rank holds a different slice of every MLA page."""
+    proc, target = sidecar(sockdir, "deepseek_v3", "--tp-size", "2")
+    try:
+        name = model_dir(tmp_path, "deepseek_v3")
+        pools = [mla_host_pool(61, layout="page_first") for _ in (0, 1)]
+        shard = {"dcp": {"dcp_size": 2, "logical_page_size": 16}, "attn_cp": {"attn_cp_size": 2}}[cp]
+        backends = [
+            create(
+                replace(
+                    storage_config(name, target, layout="page_first", tp=(r, 2), mla=True),
+                    **shard,
+                    **{f"{cp}_rank": r},
+                ),
+                pools[r],
+            )
+            for r in (0, 1)
+        ]
+        keys = keys_for(list(range(2 * 16)))
+        fill(pools[0], seed=30)
+        fill(pools[1], seed=31)
+        assert backends[0].batch_set_v1(keys, alloc(pools[0], 2)) == [True, True]
+        wait_stored(backends[0], 2)
+        dst = alloc(pools[1], 2)
+        before = [page_bytes(pools[1], p) for p in pages_of(dst)]
+        assert backends[1].batch_exists(keys) == 0  # rank 0's slice is not rank 1's
+        assert backends[1].batch_get_v1(keys, dst) == [False, False]
+        assert [page_bytes(pools[1], p) for p in pages_of(dst)] == before
+        if cp == "dcp":  # each DCP rank is a writer: rank 1 reads back its own slice
+            src = alloc(pools[1], 2)
+            want = [page_bytes(pools[1], p) for p in pages_of(src)]
+            assert backends[1].batch_set_v1(keys, src) == [True, True]
+            wait_stored(backends[1], 2)
+            assert backends[1].batch_get_v1(keys, dst) == [True, True]
+            assert [page_bytes(pools[1], p) for p in pages_of(dst)] == want
+        for b in backends:
+            b.close()
+    finally:
+        stop(proc)
+
+
+def test_mla_with_reader_ranks_refuses_a_sidecar_without_storage(tmp_path: Path, sockdir: str) -> None:
+    """SGLang stores MLA pages from rank 0 only; without a storage tier rank 1 would never hit,
+    and SGLang takes the smallest hit over its TP ranks: no prefix would ever hit."""
+    proc, target = sidecar(sockdir, "deepseek_v3", "--tp-size", "2", "--hicache-storage-backend", "none")
+    try:
+        name = model_dir(tmp_path, "deepseek_v3")
+        for r in (0, 1):
+            cfg = storage_config(name, target, layout="page_first", tp=(r, 2), mla=True)
+            with pytest.raises(ValueError, match="MLA with tp_size 2 needs a storage tier.*storage backend 'none'"):
+                create(cfg, mla_host_pool(61, layout="page_first"))
+        one = create(
+            storage_config(name, target, layout="page_first", mla=True), mla_host_pool(61, layout="page_first")
+        )
+        one.close()  # one rank writes what it reads: no storage tier needed
     finally:
         stop(proc)
 

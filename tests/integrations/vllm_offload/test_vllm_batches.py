@@ -88,12 +88,16 @@ def test_prefetch_pin_and_unpin_are_cut_to_the_batch_too(
         while resolve(manager, keys)[3:] != [LookupResult.HIT] * 3 and time.monotonic() < deadline:
             time.sleep(0.06)
         assert resolve(manager, keys)[3:] == [LookupResult.HIT] * 3
+        assert manager.pinned_pages() == 3  # the HITs pinned every page, over two Pin calls
         with manager.lock:
-            manager.prepare_load(keys, CTX)
-        assert sum(manager._pins.values()) == 3  # every page pinned, over two Pin calls
-        with manager.lock:
+            manager.prepare_load(keys, CTX)  # shares those pins
             manager.complete_load(keys, CTX)
-            assert not manager._pins
+            manager.reset_cache()  # the answers go: two Unpin calls
+        deadline = time.monotonic() + 30
+        while client.stats(pool)[0].pinned_pages and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.stats(pool)[0].pinned_pages == 0 and manager.pinned_pages() == 0
+        with manager.lock:
             assert manager.prepare_store(chunk_keys(1, seed=9), CTX) is not None  # no call failed
     finally:
         manager.shutdown()

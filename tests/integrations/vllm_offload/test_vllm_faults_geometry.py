@@ -77,6 +77,11 @@ def test_after_a_sidecar_restart_the_worker_registers_again_and_the_scheduler_fo
     manager = eng.spec.get_manager()
     try:
         old = eng.worker.links[0].pool_id
+        before = chunk_keys(1, seed=9)  # a load in flight across the restart: pins on the old pool
+        assert store(eng, manager, before, [2], job=9).success
+        assert resolve(manager, before)[1:] == [LookupResult.HIT]
+        with manager.lock:
+            manager.prepare_load(before, CTX)
         proc.terminate()
         proc.wait(timeout=60)
         proc, _ = qwen_sidecar(sockdir)
@@ -98,6 +103,14 @@ def test_after_a_sidecar_restart_the_worker_registers_again_and_the_scheduler_fo
         eng.raw.zero_()
         assert load(eng, manager, keys, [0, 1], job=2).success
         assert all(torch.equal(a, b) for a, b in zip(want, blocks_of(eng, [0, 1]), strict=True))
+        with manager.lock:
+            manager.complete_load(before, CTX)  # its pins name the old pool: dropped, not kept
+            manager.reset_cache()
+        assert manager.pinned_pages() == 0
+        client, pool, deadline = eng.worker.client, eng.worker.links[0].pool_id, time.monotonic() + 30
+        while client.stats(pool)[0].pinned_pages and time.monotonic() < deadline:
+            time.sleep(0.01)  # the unpins run on the manager's lookup thread
+        assert client.stats(pool)[0].pinned_pages == 0
     finally:
         manager.shutdown()
         eng.close()
@@ -186,16 +199,53 @@ def test_geometry_from_vllms_specs_matches_the_model_config_byte_for_byte(model:
             extra = {"sliding_window": 128} if name == "swa" else {}
             spec = cls(block_size=16, num_kv_heads=g.head_num, head_size=g.head_dim, head_size_v=g.v_head_dim,
                        dtype=torch.bfloat16, **extra)  # fmt: skip
-        mine = geometry_from_spec(spec, g.layer_num, g.layer_ids)
+        mine = geometry_from_spec(spec, g.layer_num, g.layer_ids, cfg)  # cfg: an MLA latent's split
         assert mine.page_bytes_for(1) == spec.page_size_bytes == g.page_bytes_for(1)
         names = layer_names(0, g.layer_ids)
         from_hf = geometry_from_hf(
             cfg, sliding=name == "swa", layer_names=names, tp_size=1, page_size=16, dtype="bfloat16"
         )
-        if g.attention == "mla":  # vLLM's spec has the latent width only, not its split
-            assert (mine.head_dim, mine.layer_ids) == (from_hf.head_dim, from_hf.layer_ids)
-        else:
-            assert mine.diff(from_hf) == []
+        assert mine.diff(from_hf) == []
+
+
+def test_an_mla_latent_the_model_config_does_not_split_into_is_refused_naming_both() -> None:
+    cfg = json.loads((FIXTURES / "deepseek_v3.json").read_text())
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=640, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"kv_lora_rank 512 \+ qk_rope_head_dim 64 = 576.*head_size\) is 640"):
+        geometry_from_spec(spec, 2, None, cfg)
+    with pytest.raises(ValueError, match="needs the model config"):
+        geometry_from_spec(spec, 2)
+
+
+def test_mla_inside_a_vllm_worker_registers_the_model_configs_split(tmp_path: Path, sockdir: str) -> None:
+    """In a vLLM worker (set_current_vllm_config, attention layers built) the geometry comes
+    from vLLM's MLA spec, whose latent width the HF config splits into 512 + 64."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    proc, target = start_sidecar(sockdir, config=FIXTURES / "deepseek_v3.json", page_size=16)
+    try:
+        vc = vllm_config(model_dir(tmp_path, "deepseek_v3"), target, timeout_s=30.0)
+        spec = attention_spec(vc)
+        names = layer_names(vc.model_config.get_num_layers(vc.parallel_config))
+
+        class Layer(AttentionLayerBase):  # what vLLM's MLA attention layers answer
+            def get_attn_backend(self) -> Any:
+                raise NotImplementedError
+
+            def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+                return spec
+
+        vc.compilation_config.static_forward_context.update({n: Layer() for n in names})
+        eng = make_engine(vc, [(spec, names)], num_blocks=4)
+        with set_current_vllm_config(vc):
+            start_worker(eng)
+        geometry = eng.worker.links[0].geometry
+        assert (geometry.attention, geometry.kv_lora_rank, geometry.qk_rope_head_dim) == ("mla", 512, 64)
+        eng.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def test_specs_with_packed_or_quantized_cells_are_refused() -> None:

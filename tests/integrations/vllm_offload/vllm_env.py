@@ -101,6 +101,7 @@ class Engine:
     kv_caches: dict[str, Any]  # layer name -> vLLM's per-layer view
     spec: Any = None
     worker: Any = None
+    connector: Any = None  # vLLM's OffloadingConnectorWorker over `worker`
     offloading_config: Any = None
     _keep: list[Any] = field(default_factory=list)
 
@@ -170,7 +171,7 @@ def start_worker(engine: Engine) -> Engine:
     engine.spec = OffloadingSpecFactory.create_spec(engine.offloading_config)
     connector = OffloadingConnectorWorker(engine.spec, engine.vllm_config, engine.kv_cache_config)
     connector.register_kv_caches(engine.kv_caches)
-    engine.worker = connector.worker
+    engine.worker, engine.connector = connector.worker, connector
     return engine
 
 

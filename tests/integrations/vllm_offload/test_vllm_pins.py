@@ -1,0 +1,164 @@
+"""A HIT stays loadable: vLLM 0.33's OffloadingConnectorWorker asserts that every load job
+succeeded (it has no failure path), so the manager pins a chunk's pages before it answers
+HIT, a load shares those pins until complete_load, and they go once the answer has expired
+and no load holds them. Also: expedited loads do not queue behind regular ones."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_env import require_vllm
+
+require_vllm()
+
+import torch  # noqa: E402
+from sidecar_util import start_sidecar  # noqa: E402
+from test_vllm_offload import CTX, blocks_of, chunk_keys, qwen_engine, resolve, store  # noqa: E402
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext, TransferResult  # noqa: E402
+from vllm_env import FIXTURES, Engine, sidecar_dir  # noqa: E402
+
+from hicache.api import KeyStatus  # noqa: E402
+from hicache.integrations.vllm.keys import chunk_page_keys  # noqa: E402
+from hicache.integrations.vllm.manager import HiCacheLoadStoreSpec  # noqa: E402
+
+
+@pytest.fixture
+def sidecar() -> Iterator[str]:
+    for d in sidecar_dir():
+        proc, target = start_sidecar(d, "--hicache-storage-backend", "none", config=FIXTURES / "qwen3_8b.json")
+        yield target
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def pages(keys: list[bytes]) -> list[bytes]:
+    return [p for k in keys for p in chunk_page_keys(k, 1)]
+
+
+def sidecar_pins(eng: Engine, want: int) -> int:
+    """The sidecar's pinned pages of the engine's pool, once they are `want` (unpins run on the
+    manager's lookup thread) or 10 s have passed."""
+    client, pool = eng.worker.client, eng.worker.links[0].pool_id
+    deadline = time.monotonic() + 10
+    while (n := client.stats(pool)[0].pinned_pages) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return n
+
+
+def test_a_hit_evicted_under_pressure_still_loads_through_vllms_connector(tmp_path: Path, sidecar: str) -> None:
+    eng = qwen_engine(tmp_path, sidecar)
+    manager = eng.spec.get_manager()
+    try:
+        keys = chunk_keys(2, seed=3)
+        want = blocks_of(eng, [1, 2])
+        assert store(eng, manager, keys, [1, 2], job=1).success
+        assert resolve(manager, keys)[2:] == [LookupResult.HIT] * 2
+        client, pool = eng.worker.client, eng.worker.links[0].pool_id
+        assert set(client.evict(pages(keys), pool=pool).statuses) == {KeyStatus.BUSY}  # pinned by the HIT
+        with manager.lock:
+            src = manager.prepare_load(keys, CTX)
+        eng.connector._load_jobs[7] = CTX.req_id  # what start_kv_transfers records for an async load
+        eng.raw.zero_()
+        eng.worker.submit_load(7, src, GPULoadStoreSpec([5, 6], group_sizes=[2], block_indices=[0]))
+        eng.worker.wait({7})
+        assert eng.connector.get_finished(set()) == (set(), {CTX.req_id})  # vLLM asserts success
+        assert all(torch.equal(a, b) for a, b in zip(want, blocks_of(eng, [5, 6]), strict=True))
+        with manager.lock:
+            manager.complete_load(keys, CTX)
+            manager.reset_cache()  # drops the answers: nothing holds the pins now
+        assert sidecar_pins(eng, 0) == 0
+    finally:
+        manager.shutdown()
+        eng.close()
+
+
+def test_a_chunk_whose_pin_fails_is_a_miss_and_keeps_no_pin(
+    tmp_path: Path, sidecar: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eng = qwen_engine(tmp_path, sidecar)
+    manager = eng.spec.get_manager()
+    try:
+        keys = chunk_keys(3, seed=4)
+        assert store(eng, manager, keys, [1, 2, 3], job=1).success
+        client, pool = eng.worker.client, eng.worker.links[0].pool_id
+        pin = manager.client.pin
+
+        def evict_then_pin(part: list[bytes], *, pool: str) -> Any:  # chunk 1 goes between Lookup and Pin
+            client.evict(pages(keys[1:2]), pool=pool)
+            return pin(part, pool=pool)
+
+        monkeypatch.setattr(manager.client, "pin", evict_then_pin)
+        assert resolve(manager, keys)[3:] == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]
+        assert sidecar_pins(eng, 2) == 2 and manager.pinned_pages() == 2  # chunk 2's page: pinned, then unpinned
+        assert client.lookup(pages(keys), pool=pool).prefix_length == 1
+    finally:
+        manager.shutdown()
+        eng.close()
+
+
+def test_an_answer_no_load_uses_unpins_when_it_expires_even_without_a_step(tmp_path: Path, sidecar: str) -> None:
+    eng = qwen_engine(tmp_path, sidecar, lookup_ttl_s=0.2)
+    manager = eng.spec.get_manager()
+    try:
+        keys = chunk_keys(2, seed=5)
+        assert store(eng, manager, keys, [1, 2], job=1).success
+        assert resolve(manager, keys)[2:] == [LookupResult.HIT] * 2
+        assert eng.worker.client.stats(eng.worker.links[0].pool_id)[0].pinned_pages == 2
+        assert sidecar_pins(eng, 0) == 0  # no call from vLLM meanwhile
+        assert manager.pinned_pages() == 0
+    finally:
+        manager.shutdown()
+        eng.close()
+
+
+def test_complete_load_releases_only_the_pins_its_own_load_holds(tmp_path: Path, sidecar: str) -> None:
+    eng = qwen_engine(tmp_path, sidecar)
+    manager = eng.spec.get_manager()
+    a, b = ReqContext(req_id="a"), ReqContext(req_id="b")
+    try:
+        keys = chunk_keys(2, seed=6)
+        assert store(eng, manager, keys, [1, 2], job=1).success
+        assert resolve(manager, keys)[2:] == [LookupResult.HIT] * 2
+        with manager.lock:
+            manager.prepare_load(keys, a)
+            manager.reset_cache()  # the answers go; request a's load keeps the pages pinned
+            manager.prepare_load(keys, b)  # holds no pin (logged): it must not take a's
+            manager.complete_load(keys, b)
+        assert sidecar_pins(eng, 2) == 2
+        with manager.lock:
+            manager.complete_load(keys, a)
+        assert sidecar_pins(eng, 0) == 0
+    finally:
+        manager.shutdown()
+        eng.close()
+
+
+def test_an_expedited_load_does_not_wait_behind_regular_loads(
+    tmp_path: Path, sidecar: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eng = qwen_engine(tmp_path, sidecar)
+    worker = eng.worker
+    release = threading.Event()
+
+    def run(job_id: int, moves: Any, store: bool, ready: Any = None) -> TransferResult:
+        if job_id == 1:  # a long regular load
+            release.wait(30)
+        return TransferResult(job_id, True, 0, 0.0)
+
+    monkeypatch.setattr(worker, "_run", run)
+    try:
+        slow, urgent = (HiCacheLoadStoreSpec([k]) for k in chunk_keys(2, seed=7))
+        worker.submit_load(1, slow, GPULoadStoreSpec([3], group_sizes=[1], block_indices=[0]))
+        worker.submit_load(2, urgent, GPULoadStoreSpec([4], group_sizes=[1], block_indices=[0]), expedited=True)
+        start = time.monotonic()
+        worker.wait({2})  # what vLLM does within the step
+        assert time.monotonic() - start < 5
+        assert [r.job_id for r in worker.get_finished()] == [2]
+    finally:
+        release.set()
+        eng.close()
