@@ -7,8 +7,8 @@ read back verified.
 While N engines run the mixed workload against one sidecar process (file tier), a fault
 thread damages page files in the tier folder, one every --fault-every seconds: a file
 replaced by a 1 TiB sparse file, a FIFO or a symlink; truncated; a byte flipped; another
-key's page copied over it. A hostile engine registers, shrinks its own shared-memory
-segment to 0 bytes and keeps calling. The run passes (exit 0) when no engine was ever
+key's page copied over it. Before the load, a hostile engine registers, shrinks its own
+shared-memory segment to 0 bytes and makes 20 calls on it. The run passes (exit 0) when no engine was ever
 served a wrong page, the honest engines saw no error, the hostile one saw only
 FAILED_PRECONDITION, and the sidecar is still up. Damaged pages are legitimately gone, so
 acknowledged pages that no tier holds at the end are reported, not counted as failures.

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,14 @@ def layerwise_reload(client: HiCacheClient, keys: list[bytes], layers: int, iter
     }
 
 
+def all_stored(results: list[Any], what: str) -> None:
+    """Exit naming `what` unless every page of the timed offloads `results` was STORED: a
+    page refused (no room) copies nothing, and its time would flatter the figures."""
+    refused = Counter(s.name for r in results for s in r.statuses if s.name != "STORED")
+    if refused:
+        raise SystemExit(f"rpc.py: {what}: pages answered {dict(refused)}, not STORED: the figures would be wrong")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     g = model_geometries(load_config(None), tp_size=1, page_size=args.page_size, dtype="bfloat16")["full"]
@@ -177,14 +186,16 @@ def main(argv: list[str] | None = None) -> int:
         client.pin(resident)
         rows["lookup_1"] = percentiles(timed(lambda i: client.lookup(resident[:1]), args.iters))
         rows["lookup_1000"] = percentiles(timed(lambda i: client.lookup(resident), args.iters))
-        rows["offload_1"] = percentiles(timed(lambda i: client.offload(fresh(1), [0]), args.iters))
+        small: list[Any] = []  # the answers, checked after the timing
+        rows["offload_1"] = percentiles(timed(lambda i: small.append(client.offload(fresh(1), [0])), args.iters))
+        all_stored(small, "offload_1")
         rows.update(layer_signals(client, sock, resident[0], g.layer_num, args.iters))
         rows.update(layerwise_reload(client, resident[:MID_PAGES], g.layer_num, args.iters))
         big = list(range(args.pages))
-        big_samples = timed(lambda i: client.offload(fresh(args.pages), big), args.big_iters)
+        large: list[Any] = []
+        big_samples = timed(lambda i: large.append(client.offload(fresh(args.pages), big)), args.big_iters)
+        all_stored(large, f"offload_{args.pages}")
         rows[f"offload_{args.pages}"] = percentiles(big_samples)
-        stored = client.offload(fresh(args.pages), big).statuses
-        assert all(s.name == "STORED" for s in stored), "a large offload found no room: figures would be wrong"
         nbytes = args.pages * g.page_bytes
         sidecar_gbps = nbytes / statistics.median(big_samples) / 1e9
 

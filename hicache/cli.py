@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -13,6 +14,17 @@ from hicache.paths import default_socket_path
 CLIENT_VARIABLES = ("HICACHE_SOCKET", "HICACHE_TOKEN")
 
 
+def seconds(text: str) -> float:
+    """A --timeout or --duration: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target",
@@ -21,7 +33,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("HICACHE_SOCKET") or default_socket_path(),
         help="sidecar socket path or gRPC target ($HICACHE_SOCKET, else the server's default socket)",
     )
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for the answer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     events.add_argument("--namespace", default=None, help="only this tenant's pools (unset: every namespace)")
     events.add_argument("--no-snapshot", action="store_true", help="changes only, not what each pool holds now")
-    events.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    events.add_argument("--duration", type=seconds, default=None, help="stop after this many seconds")
     events.add_argument("--token", default=None, help="shared token (unset: $HICACHE_TOKEN; never shown here)")
     events.add_argument(
         "--admin-token", default=None, help="the sidecar's --admin-token (unset: $HICACHE_ADMIN_TOKEN; never shown)"
@@ -89,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return print_geometry(args)
         if args.command == "health":
-            from hicache.client.health import check_health
+            from hicache.client.health import ask_health
 
-            status = check_health(args.target, service=args.service, timeout=args.timeout)
-            print(status)
-            return health_exit_code(status)
+            answer = ask_health(args.target, service=args.service, timeout=args.timeout)
+            print(answer.status)
+            return health_exit_code(answer.status, call_failed=answer.call_failed)
         if args.command == "events":
             from hicache.client.events_cli import print_events
 
@@ -129,16 +141,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def health_exit_code(status: str) -> int:
+def health_exit_code(status: str, *, call_failed: bool | None = None) -> int:
     """grpc_health_probe's exit codes: 0 SERVING, 2 no connection, 3 the call failed
-    otherwise, 4 answered but not SERVING."""
-    if status == "SERVING":
-        return 0
-    if status in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-        return 2
-    if status in ("NOT_SERVING", "SERVICE_UNKNOWN", "UNKNOWN"):
-        return 4
-    return 3
+    otherwise, 4 answered but not SERVING. call_failed: whether `status` is the gRPC code of
+    a failed call rather than a serving status (None: tell them apart by name, where the
+    ambiguous UNKNOWN counts as an answer)."""
+    answered = ("SERVING", "NOT_SERVING", "SERVICE_UNKNOWN", "UNKNOWN")
+    if call_failed is None:
+        call_failed = status not in answered
+    if not call_failed:
+        return 0 if status == "SERVING" else 4
+    return 2 if status in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else 3
 
 
 def _one_line(exc: BaseException) -> str:

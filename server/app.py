@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -10,23 +11,26 @@ import socket
 import stat
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from types import FrameType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hicache.memory import fd_socket_path, serve_fds
+from hicache.memory.fd import FdListener
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.sidecar.service import HiCacheService
 from hicache.storage.factory import default_file_dir
 
 from .auth import TokenInterceptor
-from .config import ServerConfig, build_parser, parse_args
+from .config import ServerConfig, build_parser, parse_args, requested_log_format
 from .decoding import add_servicer
 from .envflags import unknown_variables
-from .health_monitor import HealthMonitor
+from .health_monitor import NOT_SERVING, HealthMonitor
 from .logs import announce, configure_logging
 from .metrics import Metrics
 from .servicer import HiCacheServicer
@@ -49,6 +53,8 @@ class HiCacheServer:
         monitor: HealthMonitor | None = None,
         metrics: Metrics | None = None,
         metrics_port: int | None = None,
+        executor: futures.ThreadPoolExecutor | None = None,
+        end_streams: Sequence[Callable[[], None]] = (),
     ):
         self.config = config
         self.grpc = grpc_server
@@ -57,7 +63,9 @@ class HiCacheServer:
         self.monitor = monitor
         self.metrics = metrics
         self.metrics_port = metrics_port  # the bound port of /metrics, when served
-        self.fd_listener: socket.socket | None = None  # engines' fds (memfd pools), beside the socket
+        self.fd_listener: FdListener | None = None  # engines' fds (memfd pools), beside the socket
+        self._executor = executor  # the RPC threads: shut down with the server
+        self._end_streams = end_streams  # end the open streams (events, health Watch) cleanly
         self._stopped = threading.Event()
         interval = config.reap_interval_s or min(1.0, config.service.lease_timeout_s / 4)
         self._reaper = threading.Thread(target=self._reap, args=(interval,), name="hicache-reaper", daemon=True)
@@ -72,15 +80,22 @@ class HiCacheServer:
                 log.warning("closed %d fds that no registration claimed in time", closed)
 
     def stop(self, grace: float | None = None) -> None:
-        """Stop taking calls, let in-flight ones finish within `grace` s, release every pool
-        (in-flight transfers finish, shared memory is unlinked) and remove the socket. Idempotent."""
+        """Stop taking calls, end the open streams (KV events, health Watch: each ends cleanly
+        after what it has queued), let in-flight calls finish within `grace` s, release every
+        pool (in-flight transfers finish, shared memory is unlinked), join the server's threads
+        and remove the socket. Idempotent."""
         if self._stopped.is_set():
             return
         self._stopped.set()
         if self.monitor is not None:
             self.monitor.stop()
-        self.grpc.stop(self.config.grace_s if grace is None else grace).wait()
+        stopped = self.grpc.stop(self.config.grace_s if grace is None else grace)
+        for end in self._end_streams:  # streams without end would hold the whole grace, then fail
+            end()
+        stopped.wait()
         self.service.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         if self.metrics is not None:
             self.metrics.stop()
         self._reaper.join()
@@ -144,11 +159,65 @@ def tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
+class HealthService(health.HealthServicer):
+    """grpc's health service with end_watches(): on shutdown it ends every open Watch stream
+    (after its last answer, NOT_SERVING), which would otherwise hold the server all its grace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._watches_lock = threading.Lock()
+        self._watches: set[Callable[[], None]] = set()
+        self._ending = False
+
+    def Watch(self, request: Any, context: grpc.ServicerContext, send_response_callback: Any = None) -> Any:
+        stream = super().Watch(request, context, send_response_callback)
+        # the blocking form returns its stream; the other one ends when sent None
+        end = stream.close if stream is not None else functools.partial(send_response_callback, None)
+        with self._watches_lock:
+            if not self._ending:
+                self._watches.add(end)
+                context.add_callback(functools.partial(self._forget, end))
+                return stream
+        end()  # a Watch that came while shutting down
+        return stream
+
+    def _forget(self, end: Callable[[], None]) -> None:
+        with self._watches_lock:
+            self._watches.discard(end)
+
+    def end_watches(self) -> None:
+        with self._watches_lock:
+            self._ending = True
+            ends, self._watches = list(self._watches), set()
+        for end in ends:
+            end()
+
+
+def _bind(server: grpc.Server, config: ServerConfig, address: str) -> list[str]:
+    """Add the socket's and --listen's ports; returns the addresses. Raises ValueError naming an
+    address that cannot be bound."""
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises this, not OSError, for an address it cannot bind
+        raise ValueError(f"cannot listen on {address}") from None
+    if not config.listen:
+        return [address]
+    creds = tls_credentials(config)
+    try:
+        port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise ValueError(f"cannot listen on {config.listen}: the port is taken or the host is not an address here")
+    return [address, f"{config.listen.rpartition(':')[0]}:{port}"]
+
+
 def create_server(config: ServerConfig, service: HiCacheService | None = None) -> tuple[HiCacheServer, str]:
     """Start a sidecar on config.socket (mode 0600) and, when given, config.listen.
 
     Returns (server, address) where address is the "unix://" target of the socket.
-    Raises ValueError for a socket already in use or a TCP port that cannot be bound.
+    Raises ValueError for a socket already in use, or a TCP address or metrics port that
+    cannot be bound (leaving no socket file behind).
     """
     service = service or HiCacheService(config.service)
     metrics = Metrics(service) if config.metrics_port is not None else None
@@ -160,31 +229,34 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="hicache-rpc"),
-        interceptors=interceptors,
-        options=options,
-    )
-    add_servicer(HiCacheServicer(service, config.admin_token), server)  # undecodable requests: INVALID_ARGUMENT
-    health_servicer = health.HealthServicer()
+    executor = futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="hicache-rpc")
+    server = grpc.server(executor, interceptors=interceptors, options=options)
+    servicer = HiCacheServicer(service, config.admin_token)
+    add_servicer(servicer, server)  # undecodable requests: INVALID_ARGUMENT
+    health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    for name in ("", SERVICE_NAME):  # until the first storage check has answered
+        health_servicer.set(name, NOT_SERVING)
 
     _prepare_socket(config.socket)
     address = f"unix://{os.path.abspath(config.socket)}"
-    addresses = [address]
+    monitor: HealthMonitor | None = None
+
+    def undo() -> None:
+        if monitor is not None:
+            monitor.stop()
+        server.stop(None).wait()
+        executor.shutdown(wait=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(config.socket)  # ours: _prepare_socket removed any stale one
+
     old_umask = os.umask(0o177)  # the socket is created 0600: only this user may connect
     try:
-        server.add_insecure_port(address)
-        if config.listen:
-            creds = tls_credentials(config)
-            port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
-            if port == 0:
-                raise ValueError(f"cannot listen on {config.listen}")
-            addresses.append(f"{config.listen.rpartition(':')[0]}:{port}")
+        addresses = _bind(server, config, address)
         server.start()
     except BaseException:
-        server.stop(None)
+        undo()
         raise
     finally:
         os.umask(old_umask)
@@ -196,11 +268,20 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
         try:
             metrics_port = metrics.serve(config.metrics_port or 0, config.metrics_host)
         except OSError as exc:
-            monitor.stop()
-            server.stop(None)
+            undo()
             raise ValueError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc}") from None
     log.info("hicache sidecar listening on %s", ", ".join(addresses))
-    hs = HiCacheServer(config, server, service, addresses, monitor=monitor, metrics=metrics, metrics_port=metrics_port)
+    hs = HiCacheServer(
+        config,
+        server,
+        service,
+        addresses,
+        monitor=monitor,
+        metrics=metrics,
+        metrics_port=metrics_port,
+        executor=executor,
+        end_streams=(servicer.end_streams, health_servicer.end_watches),
+    )
     try:
         hs.fd_listener = serve_fds(fd_socket_path(config.socket), service.fds)
     except OSError as exc:  # engines that share memory by name still work
@@ -213,12 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, level = parse_args(argv)
     except (ValueError, OSError) as exc:
-        print(f"hicache-server: error: {exc}", file=sys.stderr)
+        announce(requested_log_format(argv), f"error: {exc}", sys.stderr, level="ERROR")
         return 2
     try:
         configure_logging(level, config.log_format)
     except ValueError as exc:
-        print(f"hicache-server: error: {exc}", file=sys.stderr)
+        announce(config.log_format, f"error: {exc}", sys.stderr, level="ERROR")
         return 2
     h = config.service.hierarchy
     if h.storage_backend == "file":

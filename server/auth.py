@@ -12,7 +12,8 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects every call but health checks with UNAUTHENTICATED unless it carries the token."""
+    """Rejects every call but health checks with UNAUTHENTICATED unless it carries the token
+    (a method the server does not have is UNIMPLEMENTED, token or not)."""
 
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
@@ -28,11 +29,13 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if hmac.compare_digest(given_bytes, self._expected):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
+        if handler is None:  # no such method: UNIMPLEMENTED, as without a token
+            return None
         message = "missing token" if not given else "wrong token"
 
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{message} for {handler_call_details.method}")
 
-        if handler is not None and handler.response_streaming:
+        if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(deny)
         return grpc.unary_unary_rpc_method_handler(deny)

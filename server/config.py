@@ -15,13 +15,13 @@ from hicache.geometry import KVGeometry, model_geometries
 from hicache.memory import cuda_available
 from hicache.paths import default_socket_path
 from hicache.pools.layouts import LAYOUTS
-from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
+from hicache.sidecar.config import IO_BACKENDS, ServiceConfig, check_seconds
 from hicache.storage.factory import check_backend_kind
 
-from .envflags import document, env_argv
-from .logs import LOG_FORMATS
+from .envflags import document, env_argv, env_name
+from .logs import LOG_FORMATS, log_level
 
-__all__ = ["ServerConfig", "build_parser", "default_socket_path", "parse_args"]
+__all__ = ["ServerConfig", "build_parser", "default_socket_path", "parse_args", "requested_log_format"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,12 +65,14 @@ class ServerConfig:
             raise ValueError("admin token must be non-empty")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
-        if self.health_interval_s <= 0:
-            raise ValueError(f"--health-interval must be > 0 s, got {self.health_interval_s}")
+        check_seconds("--health-interval", self.health_interval_s)
+        check_seconds("--grace", self.grace_s, zero_ok=True)
+        if self.reap_interval_s is not None:
+            check_seconds("reap_interval_s", self.reap_interval_s)
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
-        if self.grace_s < 0 or self.workers < 1:
-            raise ValueError(f"grace_s must be >= 0 and workers >= 1, got {self.grace_s} and {self.workers}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
 
 
 def check_tls(listen: str | None, cert: str | None, key: str | None, client_ca: str | None) -> None:
@@ -167,6 +169,19 @@ def check_start_up(args: argparse.Namespace, env: Mapping[str, str]) -> None:
         )
 
 
+def requested_log_format(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The --log-format asked for (the command line's, else HICACHE_LOG_FORMAT), or "text"
+    when it names none: how to print an error in the other flags, which parse_args refused."""
+    env = os.environ if environ is None else environ
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    p.add_argument("--log-format", default=env.get(env_name("--log-format"), "text"))
+    try:
+        fmt = p.parse_known_args(sys.argv[1:] if argv is None else list(argv))[0].log_format
+    except argparse.ArgumentError:
+        return "text"
+    return fmt if fmt in LOG_FORMATS else "text"
+
+
 def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> tuple[ServerConfig, str]:
     """(config, log level) from the command line (default sys.argv[1:]) and the HICACHE_*
     variables of `environ` (default os.environ; see envflags). Raises ValueError or OSError."""
@@ -174,6 +189,10 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
     env = os.environ if environ is None else environ
     args = parser.parse_args(env_argv(parser, env) + (sys.argv[1:] if argv is None else list(argv)))
     check_start_up(args, env)
+    variable = env_name("--log-level")
+    if variable in env:  # named as the user set it: the command line may not mention --log-level
+        log_level(env[variable], variable)
+    log_level(args.log_level)
     expected = None
     if args.model_config:
         expected = expected_geometries(

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 
 from grpc_health.v1 import health, health_pb2
 
+from hicache.sidecar.config import check_seconds
+
 log = logging.getLogger("hicache.server")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -23,8 +25,7 @@ class HealthMonitor:
         services: Sequence[str],
         interval_s: float,
     ):
-        if interval_s <= 0:
-            raise ValueError(f"health interval must be > 0 s, got {interval_s}")
+        check_seconds("--health-interval", interval_s)
         self._check, self._servicer, self._services = check, servicer, list(services)
         self._stop = threading.Event()
         self.serving = True

@@ -26,13 +26,20 @@ class JsonFormatter(logging.Formatter):  # a dozen lines: not worth python-json-
         return json.dumps(out, default=str)
 
 
+def log_level(level: str, name: str = "--log-level") -> int:
+    """The number of a level's name (any case). Raises ValueError naming `name` (the flag, or
+    the variable it came from) for a name that is no level."""
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"{name} must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}")
+    return numeric
+
+
 def configure_logging(level: str, fmt: str = "text", stream: TextIO | None = None) -> None:
     """Set up the root logger. Raises ValueError naming a bad level or format."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {fmt!r}")
-    numeric = logging.getLevelName(level.upper())
-    if not isinstance(numeric, int):
-        raise ValueError(f"--log-level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}")
+    numeric = log_level(level)
     handler = logging.StreamHandler(stream)
     handler.setFormatter(
         JsonFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")

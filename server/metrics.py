@@ -12,7 +12,7 @@ nothing here adds work to a call), and an interceptor times every RPC:
   hicache_host_pool_pages{state}                used, pinned; hicache_host_pool_capacity_pages
   hicache_storage_healthy{backend}, hicache_storage_write_queue_pages, hicache_pools
   hicache_copy_backend_info{backend}            1 for the pool's copy path: native, torch or triton
-  hicache_rpc_duration_seconds{method,code}     histogram of every RPC
+  hicache_rpc_duration_seconds{method,code}     histogram of every RPC (method: service/method)
 
 Per-pool series carry the labels pool (model|namespace|group|rank: stable across
 re-registrations), group and namespace. The process collector adds process_* (CPU, memory,
@@ -22,6 +22,7 @@ open fds).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -39,16 +40,28 @@ POOL = ["pool", "group", "namespace"]
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+Series = tuple[Any, ...]  # (family, *label values)
+
+
 class ServiceCollector(Collector):
     """Turns the service's per-pool stats into metric families at each scrape. A pool's
     series are labelled by its stable name (model|namespace|group|rank), not its random id,
     so they continue across re-registrations; pools that share a name (two replicas of one
-    engine) are summed."""
+    engine) are summed. A counter keeps what a released pool counted (as of the last scrape
+    that saw it), so that it never goes down."""
 
     def __init__(self, service: HiCacheService):
         self.service = service
+        self._lock = threading.Lock()  # one scrape at a time: they share the two tables below
+        self._seen: dict[str, dict[Series, float]] = {}  # pool id -> its counters at the last scrape
+        self._released: dict[Series, float] = defaultdict(float)  # what released pools counted
 
     def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            families = self._families()
+        yield from families
+
+    def _families(self) -> list[Metric]:
         c, g = CounterMetricFamily, GaugeMetricFamily
         pages = c("hicache_pages", "Pages moved, by direction and tier", labels=[*POOL, "direction", "tier"])
         nbytes = c("hicache_bytes", "Bytes moved, by direction and tier", labels=[*POOL, "direction", "tier"])
@@ -66,19 +79,24 @@ class ServiceCollector(Collector):
             "1 for the backend of the pool's device<->host copies",
             labels=[*POOL, "backend"],
         )
-        sums: dict[tuple[Any, ...], float] = defaultdict(float)
-        lows: dict[tuple[Any, ...], float] = {}
-        infos: set[tuple[Any, ...]] = set()
+        sums: dict[Series, float] = defaultdict(float)
+        lows: dict[Series, float] = {}
+        infos: set[Series] = set()
+        seen: dict[str, dict[Series, float]] = {}
         pools = self.service.pool_snapshots()
         for pool in pools:
+            pool_id = pool.identity.pool_id
             try:
                 s, cs = pool.stats(), pool.cache.stats()
                 with pool.lock:
                     copy_s = (pool.counters.offload_s, pool.counters.reload_s)
-            except Exception:  # released while we looked: it is gone from the next scrape
+            except Exception:  # released while we looked: its last counts retire at the next scrape
+                if pool_id in self._seen:
+                    seen[pool_id] = self._seen[pool_id]
                 continue
             ids = (pool.identity.series, s.group, s.namespace)
             st, pb = cs["storage"], max(s.page_bytes, 1)
+            counts: dict[Series, float] = defaultdict(float)
             moved = (
                 ("device_to_host", "host", s.offload_bytes // pb, s.offload_bytes),
                 ("host_to_device", "host", s.reload_bytes // pb, s.reload_bytes),
@@ -86,16 +104,17 @@ class ServiceCollector(Collector):
                 ("storage_to_host", "storage", st["bytes_read"] // pb, st["bytes_read"]),
             )
             for direction, tier, n_pages, n_bytes in moved:
-                sums[("pages", *ids, direction, tier)] += n_pages
-                sums[("bytes", *ids, direction, tier)] += n_bytes
-            sums[("seconds", *ids, "device_to_host")] += copy_s[0]
-            sums[("seconds", *ids, "host_to_device")] += copy_s[1]
+                counts[("pages", *ids, direction, tier)] += n_pages
+                counts[("bytes", *ids, direction, tier)] += n_bytes
+            counts[("seconds", *ids, "device_to_host")] += copy_s[0]
+            counts[("seconds", *ids, "host_to_device")] += copy_s[1]
             for t in s.tiers:
-                sums[("hits", *ids, t.tier.value)] += t.hits
-                sums[("misses", *ids, t.tier.value)] += t.misses
-            sums[("evictions", *ids, "host")] += pool.index.evictions
-            sums[("evictions", *ids, "storage")] += st["evictions"]
-            sums[("checksum", *ids, "storage")] += st["corrupt"]
+                counts[("hits", *ids, t.tier.value)] += t.hits
+                counts[("misses", *ids, t.tier.value)] += t.misses
+            counts[("evictions", *ids, "host")] += pool.index.evictions
+            counts[("evictions", *ids, "storage")] += st["evictions"]
+            counts[("checksum", *ids, "storage")] += st["corrupt"]
+            seen[pool_id] = dict(counts)
             sums[("host", *ids, "used")] += s.used_pages
             sums[("host", *ids, "pinned")] += s.pinned_pages
             sums[("capacity", *ids)] += s.host_pages
@@ -103,6 +122,16 @@ class ServiceCollector(Collector):
             key = ("healthy", *ids, s.storage_backend)
             lows[key] = min(lows.get(key, 1.0), 1.0 if s.storage_healthy else 0.0)
             infos.add((*ids, s.copy_backend))
+        for pool_id, counts in self._seen.items():
+            if pool_id not in seen:  # released since the last scrape
+                for series, value in counts.items():
+                    self._released[series] += value
+        self._seen = seen
+        for series, value in self._released.items():
+            sums[series] += value
+        for counts in seen.values():
+            for series, value in counts.items():
+                sums[series] += value
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
             "pages": pages, "bytes": nbytes, "seconds": seconds, "hits": hits, "misses": misses,
             "evictions": evictions, "checksum": checksum, "host": host, "capacity": capacity, "queue": queue,
@@ -113,12 +142,15 @@ class ServiceCollector(Collector):
             healthy.add_metric(labels, value)
         for info in sorted(infos):
             copies.add_metric(list(info), 1.0)
-        yield from (*families.values(), healthy, copies)
-        yield GaugeMetricFamily("hicache_pools", "Registered pools", value=len(pools))
+        pool_count = GaugeMetricFamily("hicache_pools", "Registered pools", value=len(pools))
+        return [*families.values(), healthy, copies, pool_count]
 
 
 class LatencyInterceptor(grpc.ServerInterceptor):
-    """Observes every RPC's duration in `histogram`, labelled with the method and status code."""
+    """Observes every RPC's duration in `histogram`, labelled with the method, as service/method
+    ("hicache.v1.HiCache/Watch" and "grpc.health.v1.Health/Watch" are two), and the status
+    code: CANCELLED for a call that ended without its answer (the client went away). Only
+    the server's own methods are labels: another name gets no handler (UNIMPLEMENTED)."""
 
     def __init__(self, histogram: Histogram):
         self.histogram = histogram
@@ -129,11 +161,11 @@ class LatencyInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or handler.request_streaming:
             return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        method = handler_call_details.method.lstrip("/")
         observe = self.histogram
 
         def record(t0: float, context: grpc.ServicerContext, failed: bool) -> None:
-            code = _code(context) or ("UNKNOWN" if failed else "OK")
+            code = _code(context) or ("CANCELLED" if not context.is_active() else "UNKNOWN" if failed else "OK")
             observe.labels(method, code).observe(time.perf_counter() - t0)
 
         if handler.unary_unary is not None:

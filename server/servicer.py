@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
@@ -44,7 +45,7 @@ def abort_for(exc: BaseException, context: grpc.ServicerContext) -> NoReturn:
     if isinstance(exc, Forbidden):
         context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
     log.exception("internal error", exc_info=exc)
-    context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    context.abort(grpc.StatusCode.INTERNAL, "internal error: the sidecar's log has the details")
     raise AssertionError("context.abort raises")
 
 
@@ -71,6 +72,13 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def __init__(self, service: HiCacheService, admin_token: str | None = None):
         self.service = service
         self.admin_token = admin_token
+        self._ending = threading.Event()
+
+    def end_streams(self) -> None:
+        """End every SubscribeEvents stream, each after what it has queued (shutdown: the
+        server takes no new calls, and an open stream would hold it for the whole grace)."""
+        self._ending.set()
+        self.service.events.close()
 
     def _own(self, pool_id: str, context: grpc.ServicerContext, *, gone_ok: bool = False) -> None:
         """Raises Forbidden unless the call carries pool_id's secret (UnknownId for no such pool,
@@ -235,10 +243,14 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             abort_for(exc, context)
         context.add_callback(sub.close)  # the client went away: stop queueing for it
         try:
-            while context.is_active() and not sub.closed:
+            while context.is_active():
+                if self._ending.is_set():  # subscribed as the server began to stop
+                    sub.close()
                 batch = sub.next_batch(timeout=0.25)
                 if batch is not None:
                     yield convert.event_batch_to_pb(batch)
+                elif sub.closed:
+                    return
         finally:
             sub.close()
 

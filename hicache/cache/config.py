@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -104,11 +105,16 @@ class HiCacheConfig:
         check_write_policy(self.write_policy)
         check_prefetch_policy(self.prefetch_policy)
         check_extra(self.storage_backend, self.storage_extra, also=HIERARCHY_KEYS)
+        for key, value in self.extra_config.items():
+            if key in _TIMEOUT_KEYS and isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--hicache-storage-backend-extra-config {key} must be finite, got {value!r}")
         self.prefetch_timeout  # noqa: B018 - validates the timeout keys
-        for name in ("size_gb", "ratio"):
+        for name, flag in (("size_gb", "--hicache-size"), ("ratio", "--hicache-ratio")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"hicache {name} must be a number >= 0, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{flag} must be a finite number, got {value!r}")
         if self.size_gb == 0 and self.ratio <= 0:
             raise ValueError(f"hicache ratio must be > 0 when size is 0, got {self.ratio}")
 

@@ -12,16 +12,12 @@ import grpc
 
 from hicache.api import POOL_SECRET
 from hicache.client.handles import HiCacheRpcError
+from hicache.client.health import grpc_target  # a socket path, relative too, or a gRPC target
 from hicache.client.tls import ClientTls
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
-
-
-def grpc_target(target: str) -> str:
-    """ "/path" is a Unix socket ("unix:///path"); anything else is a gRPC target as given."""
-    return f"unix://{target}" if target.startswith("/") else target
 
 
 class Connection:

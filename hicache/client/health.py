@@ -3,6 +3,9 @@ container HEALTHCHECK run, and what the demo waits on before it starts the engin
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -10,19 +13,38 @@ SERVING = "SERVING"
 
 
 def grpc_target(target: str) -> str:
-    """A gRPC target from a socket path ("/run/x.sock" -> "unix:///run/x.sock") or a target."""
+    """A gRPC target from a socket path or a target. A path is what starts with "/" or ".",
+    or has no ":" ("/run/x.sock", "./x.sock", "x.sock" -> "unix:///abs/x.sock"); anything
+    else ("host:port", "unix:...", "dns:///...") is a gRPC target as given."""
     if not target:
         raise ValueError("target must be a socket path or a gRPC target, got ''")
-    return f"unix://{target}" if target.startswith("/") else target
+    if target.startswith(("/", ".")) or ":" not in target:
+        return f"unix://{os.path.abspath(target)}"
+    return target
 
 
-def check_health(target: str, *, service: str = "", timeout: float = 2.0) -> str:
-    """The serving status name (SERVING, NOT_SERVING, SERVICE_UNKNOWN, ...), or the gRPC
-    status code name (UNAVAILABLE, DEADLINE_EXCEEDED, ...) when the call itself fails."""
+@dataclass(frozen=True)
+class HealthAnswer:
+    """status: the serving status name (SERVING, NOT_SERVING, SERVICE_UNKNOWN, UNKNOWN) when
+    the call answered, else the gRPC status code name of the failed call (UNAVAILABLE,
+    DEADLINE_EXCEEDED, UNKNOWN, ...): call_failed tells the two UNKNOWNs apart."""
+
+    status: str
+    call_failed: bool
+
+
+def ask_health(target: str, *, service: str = "", timeout: float = 2.0) -> HealthAnswer:
+    """One health Check of `service` ('' is the whole server) on `target`."""
     with grpc.insecure_channel(grpc_target(target)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as exc:
-            return exc.code().name
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            return HealthAnswer(exc.code().name, call_failed=True)
+        return HealthAnswer(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), call_failed=False)
+
+
+def check_health(target: str, *, service: str = "", timeout: float = 2.0) -> str:
+    """The serving status name (SERVING, NOT_SERVING, SERVICE_UNKNOWN, ...), or the gRPC
+    status code name (UNAVAILABLE, DEADLINE_EXCEEDED, ...) when the call itself fails."""
+    return ask_health(target, service=service, timeout=timeout).status

@@ -129,25 +129,45 @@ class FdStore:
             self._fds.clear()
 
 
-def serve_fds(path: str, store: FdStore) -> socket.socket:
-    """Listen on `path` (mode 0600) for engines' fds; a daemon thread answers each connection
-    with the ids of the fds it sent. Close the returned socket to stop."""
+class FdListener:
+    """The socket engines send fds to, and the thread that answers them (serve_fds)."""
+
+    def __init__(self, listener: socket.socket, thread: threading.Thread):
+        self.socket, self.thread = listener, thread
+
+    def close(self) -> None:
+        """Stop taking fds and wait for the thread (close() alone does not wake accept())."""
+        try:
+            self.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
+        self.socket.close()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+def serve_fds(path: str, store: FdStore) -> FdListener:
+    """Listen on `path` (mode 0600) for engines' fds; a thread answers each connection with
+    the ids of the fds it sent. Close the returned listener to stop."""
     if os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
         os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
         listener.bind(path)
+        listener.listen(16)
+    except BaseException:
+        listener.close()
+        raise
     finally:
         os.umask(old)
-    listener.listen(16)
 
     def loop() -> None:
         while True:
             try:
                 conn, _ = listener.accept()
             except OSError:
-                return  # closed
+                return  # shut down
             with conn:
                 conn.settimeout(5.0)
                 try:
@@ -155,8 +175,9 @@ def serve_fds(path: str, store: FdStore) -> socket.socket:
                 except OSError:
                     pass
 
-    threading.Thread(target=loop, name="hicache-fd-listener", daemon=True).start()
-    return listener
+    thread = threading.Thread(target=loop, name="hicache-fd-listener", daemon=True)
+    thread.start()
+    return FdListener(listener, thread)
 
 
 def _answer(conn: socket.socket, store: FdStore) -> None:

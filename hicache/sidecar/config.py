@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -9,6 +10,21 @@ from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry
 from hicache.pools.layouts import LAYOUTS
 from hicache.transfer.native import LAYERED_INLINE_BYTES
+
+# the longest duration a flag may give: finite, and within what threading and protobuf accept
+MAX_SECONDS = 1e9
+
+
+def check_seconds(flag: str, value: float, *, zero_ok: bool = False) -> None:
+    """Raises ValueError naming `flag` unless `value` is a finite number of seconds above 0
+    (or 0, with zero_ok) and at most MAX_SECONDS."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value >= 0 if zero_ok else value > 0) and value <= MAX_SECONDS
+    if not ok:
+        low = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"{flag} must be a finite number of seconds {low} and <= 1e9, got {value!r}")
+
 
 # --hicache-io-backend value -> TransferEngine backend
 IO_BACKENDS: dict[str, Literal["auto", "torch", "triton"]] = {"auto": "auto", "direct": "torch", "kernel": "triton"}
@@ -45,8 +61,7 @@ class ServiceConfig:
             raise ValueError(f"unknown io backend {self.io_backend!r}; expected one of {list(IO_BACKENDS)}")
         if self.host_layout not in LAYOUTS:
             raise ValueError(f"unknown host layout {self.host_layout!r}; expected one of {list(LAYOUTS)}")
-        if self.lease_timeout_s <= 0:
-            raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
+        check_seconds("--lease-timeout", self.lease_timeout_s)
         for name in ("max_batch", "max_pools", "request_cache_size", "finished_ops_kept"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 
+import pytest
 from sidecar_util import filled_device, mimo_geometries
 
 from hicache.cli import main
@@ -96,5 +97,36 @@ def test_an_unreachable_redis_is_not_serving_from_the_start(capsys, tmp_path):
     srv, _ = create_server(ServerConfig(socket=sock2, storage_optional=True, service=ServiceConfig(hierarchy=dead)))
     try:  # an optional tier only degrades the sidecar
         assert main(["health", "--socket", sock2]) == 0
+    finally:
+        srv.stop(0)
+
+
+def test_health_tells_a_failed_call_from_an_unknown_status_and_dials_a_relative_socket(capsys, tmp_path, monkeypatch):
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health_pb2_grpc
+
+    class Broken(health_pb2_grpc.HealthServicer):
+        def Check(self, request, context):  # type: ignore[no-untyped-def]
+            raise RuntimeError("boom")  # the call fails with gRPC's UNKNOWN code
+
+    broken = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(Broken(), broken)
+    port = broken.add_insecure_port("127.0.0.1:0")
+    broken.start()
+    try:
+        assert main(["health", "--target", f"127.0.0.1:{port}", "--timeout", "30"]) == 3  # before: 4, NOT_SERVING's
+    finally:
+        broken.stop(0)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # a timeout must be a finite number of seconds
+        main(["health", "--target", f"127.0.0.1:{port}", "--timeout", "nan"])
+    assert "--timeout: must be a finite number of seconds > 0, got 'nan'" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    srv, _ = create_server(ServerConfig(socket="rel.sock"))
+    try:
+        assert main(["health", "--socket", "rel.sock", "--timeout", "30"]) == 0  # before: dialled as a DNS name
+        assert capsys.readouterr().out.strip() == "SERVING"
     finally:
         srv.stop(0)

@@ -153,6 +153,58 @@ def test_a_namespace_filter_sees_only_that_tenants_pools(served: str) -> None:
     engine.close()
 
 
+@pytest.mark.parametrize("metrics_port", [None, 0])  # with metrics, an interceptor wraps every stream
+def test_shutdown_ends_open_event_and_health_streams_cleanly_without_waiting_out_the_grace(
+    metrics_port: int | None,
+) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    d = tempfile.mkdtemp(prefix="hc")
+    config = ServerConfig(socket=os.path.join(d, "hc.sock"), admin_token=ADMIN, grace_s=300, metrics_port=metrics_port)
+    srv, address = create_server(config)
+    ends: dict[str, str] = {}
+    done = threading.Event()
+    channel = grpc.insecure_channel(address)
+    health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+    subscriber = HiCacheClient(address, admin_token=ADMIN, timeout=30)
+    subscribed = threading.Event()
+
+    def follow_events() -> None:
+        try:
+            for _ in subscriber.events(snapshot=False):
+                pass
+            ends["events"] = "ended"
+        except HiCacheRpcError as exc:
+            ends["events"] = exc.code.name
+
+    def follow_health() -> None:
+        try:
+            for _ in health:
+                subscribed.set()
+            ends["health"] = "ended"
+        except grpc.RpcError as exc:
+            ends["health"] = exc.code().name
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (follow_events, follow_health)]
+    for t in threads:
+        t.start()
+    try:
+        assert subscribed.wait(60)
+        eventually(lambda: srv.service.events.subscribers, what="the event subscription")
+        stopper = threading.Thread(target=lambda: (srv.stop(), done.set()), daemon=True)
+        stopper.start()
+        for t in threads:  # well within the 300 s grace: before, both held it all and got UNAVAILABLE
+            t.join(60)
+        assert ends == {"events": "ended", "health": "ended"}, ends
+        assert done.wait(60), "stop() waited for the streams"
+    finally:
+        srv.stop(0)
+        subscriber.close()
+        channel.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_events_need_the_admin_token(served: str) -> None:
     for token in (None, "wrong"):
         with HiCacheClient(served, admin_token=token, timeout=10) as client:

@@ -173,6 +173,57 @@ def test_auth_on_and_off(sockdir):
     dev.close()
 
 
+def test_without_the_token_an_unknown_method_is_unimplemented_and_adds_no_metric(sockdir):
+    import urllib.request
+
+    config = ServerConfig(socket=os.path.join(sockdir, "hc.sock"), token="s3cret", metrics_port=0)
+    srv, address = create_server(config)
+    try:
+        with grpc.insecure_channel(address) as ch:
+            for i in range(3):
+                with pytest.raises(grpc.RpcError) as exc:
+                    ch.unary_unary(f"/evil.Service/Method{i}")(b"", timeout=30)
+                assert exc.value.code() == Code.UNIMPLEMENTED  # before: UNAUTHENTICATED, and a new series each
+            with pytest.raises(grpc.RpcError) as exc:
+                pb_grpc.HiCacheStub(ch).GetStats(pb.GetStatsRequest(), timeout=30)
+            assert exc.value.code() == Code.UNAUTHENTICATED  # a real method still needs the token
+        body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
+        assert "evil" not in body and "Method0" not in body
+    finally:
+        srv.stop(0)
+
+
+def test_stop_leaves_no_thread_and_no_file_behind(sockdir):
+    import threading
+
+    before = set(threading.enumerate())
+    srv, address = start(sockdir)
+    dev = filled_device(4)
+    with HiCacheClient(address, timeout=30) as client:  # the RPC threads start with the calls
+        client.register(dev)
+    srv.stop(0)
+    dev.close()
+    server_threads = ("hicache-rpc", "hicache-fd-listener", "hicache-reaper", "hicache-health")
+    left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith(server_threads)]
+    assert left == [], left  # before: the fd listener (blocked in accept) and the RPC threads
+    assert os.listdir(sockdir) == []
+
+
+def test_a_tcp_address_that_cannot_be_bound_is_one_error_and_leaves_no_socket(sockdir):
+    import socket
+
+    sock = os.path.join(sockdir, "hc.sock")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        listen = f"127.0.0.1:{busy.getsockname()[1]}"
+        with pytest.raises(ValueError, match=f"cannot listen on {listen}"):  # before: grpcio's RuntimeError
+            create_server(ServerConfig(socket=sock, listen=listen, insecure=True))
+    assert not os.path.exists(sock)  # before: left behind
+    srv, _ = create_server(ServerConfig(socket=sock))  # and the socket can be served again
+    srv.stop(0)
+
+
 def test_retry_with_same_request_id_is_idempotent(served):
     srv, address = served
     dev = filled_device(8)

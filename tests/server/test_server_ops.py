@@ -147,8 +147,9 @@ def test_metrics_count_pages_bytes_tiers_and_rpc_latency(sockdir):
         assert m[("hicache_pools", ())] == 1
         backend = "native" if native.available() else "torch"
         assert m[("hicache_copy_backend_info", (("backend", backend), g))] == 1.0
-        assert m[("hicache_rpc_duration_seconds_count", (("code", "OK"), ("method", "Offload")))] == 2
-        assert m[("hicache_rpc_duration_seconds_count", (("code", "OK"), ("method", "RegisterPool")))] == 1
+        offload, register = (("method", f"hicache.v1.HiCache/{rpc}") for rpc in ("Offload", "RegisterPool"))
+        assert m[("hicache_rpc_duration_seconds_count", (("code", "OK"), offload))] == 2
+        assert m[("hicache_rpc_duration_seconds_count", (("code", "OK"), register))] == 1
         dev.close()
     finally:
         srv.stop(0)
@@ -244,6 +245,23 @@ def test_only_unknown_ids_map_to_not_found():
     assert internal.value.args[0] == grpc.StatusCode.INTERNAL  # a bug, not a missing id
 
 
+def test_an_internal_error_tells_the_caller_nothing_of_its_cause(caplog: pytest.LogCaptureFixture) -> None:
+    from server.servicer import abort_for
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def abort(self, code: grpc.StatusCode, details: str) -> None:
+            raise Aborted(code, details)
+
+    with caplog.at_level(logging.ERROR, logger="hicache.server"), pytest.raises(Aborted) as internal:
+        abort_for(OverflowError("secret /srv/path 0xdeadbeef"), Context())  # type: ignore[arg-type]
+    code, details = internal.value.args
+    assert code == grpc.StatusCode.INTERNAL and "OverflowError" not in details and "secret" not in details
+    assert "secret /srv/path 0xdeadbeef" in caplog.text  # the log has it
+
+
 def test_pool_series_keep_their_name_across_registrations_and_the_dashboard_queries_only_exported_metrics(sockdir):
     import json
     import re
@@ -289,3 +307,113 @@ def test_pool_series_keep_their_name_across_registrations_and_the_dashboard_quer
         dev.close()
     finally:
         srv.stop(0)
+
+
+def test_health_is_not_serving_until_the_first_storage_check_has_answered(sockdir):
+    import threading
+
+    from hicache.sidecar.service import HiCacheService
+
+    service = HiCacheService(ServiceConfig(expected=mimo_geometries()))
+    answer = threading.Event()
+    checked = threading.Event()
+
+    def slow_check() -> tuple[bool, str]:  # a storage tier slow to answer its first probe
+        checked.set()
+        answer.wait(60)
+        return True, ""
+
+    service.healthy = slow_check  # type: ignore[method-assign]
+    sock = os.path.join(sockdir, "hc.sock")
+    started: list[object] = []
+    thread = threading.Thread(target=lambda: started.append(create_server(ServerConfig(socket=sock), service)))
+    thread.start()
+    try:
+        assert checked.wait(60), "the first health check never ran"
+        assert check_health(sock, timeout=15) == "NOT_SERVING"  # before: SERVING, unchecked
+    finally:
+        answer.set()
+        thread.join(60)
+    srv, _ = started[0]  # type: ignore[misc]
+    try:
+        assert check_health(sock, timeout=15) == "SERVING"
+    finally:
+        srv.stop(0)
+
+
+def test_counters_of_pools_sharing_a_name_never_go_down_when_one_is_released(sockdir):
+    cfg = ServerConfig(
+        socket=os.path.join(sockdir, "hc.sock"), service=ServiceConfig(expected=mimo_geometries()), metrics_port=0
+    )
+    srv, address = create_server(cfg)
+    devs = [filled_device(4), filled_device(4)]
+    try:
+        clients = [HiCacheClient(address) for _ in devs]
+        infos = [c.register(d, model_id="mimo@test") for c, d in zip(clients, devs, strict=True)]  # two replicas
+        for i, c in enumerate(clients):
+            c.offload(c.page_keys(list(range(16 * i, 16 * (i + 2)))), [0, 1])
+        moved = ("hicache_pages_total", (("direction", "device_to_host"), ("group", "full"), ("tier", "host")))
+        assert scrape(srv.metrics_port)[moved] == 4
+        clients[0].unregister(infos[0].pool_id)
+        assert scrape(srv.metrics_port)[moved] == 4  # before: 2, a counter reset to Prometheus
+        clients[1].offload(clients[1].page_keys(list(range(64, 80))), [2])
+        assert scrape(srv.metrics_port)[moved] == 5
+        for c in clients:
+            c.close()
+    finally:
+        srv.stop(0)
+        for d in devs:
+            d.close()
+
+
+def test_rpc_latency_labels_name_the_service_and_a_cancelled_stream(sockdir):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    cfg = ServerConfig(socket=os.path.join(sockdir, "hc.sock"), metrics_port=0)
+    srv, address = create_server(cfg)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+            next(watch)
+            watch.cancel()
+            health_watch = (("code", "CANCELLED"), ("method", "grpc.health.v1.Health/Watch"))
+            for _ in range(1500):  # the server records the stream once it has seen it end
+                if ("hicache_rpc_duration_seconds_count", health_watch) in scrape(srv.metrics_port):
+                    break
+                time.sleep(0.02)
+            m = scrape(srv.metrics_port)
+        methods = {dict(labels).get("method") for name, labels in m if name == "hicache_rpc_duration_seconds_count"}
+        assert methods == {"grpc.health.v1.Health/Watch"}, methods  # before: "Watch", as HiCache's Watch
+        assert m[("hicache_rpc_duration_seconds_count", health_watch)] == 1  # before: code OK
+    finally:
+        srv.stop(0)
+
+
+def test_the_readme_metrics_table_names_the_labels_that_are_exported(sockdir):
+    import re
+
+    cfg = ServerConfig(socket=os.path.join(sockdir, "hc.sock"), metrics_port=0)
+    srv, address = create_server(cfg)
+    try:
+        dev = filled_device(4)
+        with HiCacheClient(address) as client:
+            client.register(dev, model_id="mimo@test")
+            body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
+        dev.close()
+    finally:
+        srv.stop(0)
+    exported: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            name = family.name if family.type == "histogram" else sample.name
+            exported.setdefault(name, set()).update(set(sample.labels) - {"pool", "group", "namespace", "le"})
+    rows = 0
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`hicache_"):
+            continue
+        labels = set(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", cells[2])))
+        for metric in re.findall(r"`(hicache_\w+)`", cells[0]):
+            rows += 1
+            assert exported.get(metric) == labels, (metric, labels, exported.get(metric))
+    assert rows >= 10

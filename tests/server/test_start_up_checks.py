@@ -170,3 +170,42 @@ def test_a_cluster_flag_that_disagrees_with_the_server_is_one_line_at_start(tmp_
             assert len(lines) == 1 and message in lines[0] and lines[0].startswith("hicache-server: error:"), lines
     finally:
         plain.stop()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "flag"),
+    [
+        (["--lease-timeout", "nan"], {}, "--lease-timeout"),
+        (["--lease-timeout", "inf"], {}, "--lease-timeout"),
+        ([], {"HICACHE_LEASE_TIMEOUT": "nan"}, "--lease-timeout"),
+        (["--grace", "nan"], {}, "--grace"),
+        (["--health-interval", "nan"], {}, "--health-interval"),
+        (["--health-interval", "inf"], {}, "--health-interval"),
+        (["--hicache-ratio", "nan"], {}, "--hicache-ratio"),
+        (["--hicache-size", "inf"], {}, "--hicache-size"),
+        (["--hicache-storage-backend-extra-config", '{"prefetch_timeout_max_s": NaN}'], {}, "prefetch_timeout_max_s"),
+    ],
+)
+def test_non_finite_seconds_and_sizes_are_refused_at_start_naming_the_flag(
+    argv: list[str], env: dict[str, str], flag: str
+) -> None:
+    with pytest.raises(ValueError) as exc:  # before: accepted, and every RegisterPool leaked a pool
+        parse_args(["--socket", "/tmp/never.sock", *argv], environ=env)
+    message = str(exc.value)
+    assert flag in message and ("nan" in message or "inf" in message) and "\n" not in message, message
+
+
+def test_start_up_errors_follow_the_log_format_and_name_the_variable_they_came_from(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from server.app import main
+
+    assert main(["--socket", "/tmp/never.sock", "--log-format", "json", "--lease-timeout", "0"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    record = json.loads(line)  # before: plain text, whatever --log-format said
+    assert record["level"] == "ERROR" and "--lease-timeout" in record["msg"]
+    monkeypatch.setenv("HICACHE_LOG_FORMAT", "json")
+    monkeypatch.setenv("HICACHE_LOG_LEVEL", "LOUD")
+    assert main(["--socket", "/tmp/never.sock"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "HICACHE_LOG_LEVEL" in json.loads(line)["msg"]  # before: named --log-level, never typed
