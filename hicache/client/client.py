@@ -50,7 +50,7 @@ from hicache.client.progress_blocks import ProgressBlocks
 from hicache.client.tls import ClientTls
 from hicache.geometry import KVGeometry
 from hicache.keys import HashName, page_keys
-from hicache.memory import MemoryHandle, cuda_available, send_fds
+from hicache.memory import MemoryHandle, cuda_available, cuda_index, send_fds
 from hicache.rpc import convert
 from hicache.rpc.generated import hicache_pb2 as pb
 
@@ -165,14 +165,17 @@ class HiCacheClient:
         model_id: str = "",
         group: str = "full",
         key_hash: HashName = "sha256",
-        cuda_device: int = 0,
+        cuda_device: int | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
     ) -> RegisteredPool:
         """Register `device_pool` (one KV group) and make it the default pool. The pool must be
         shareable: a CPU pool in shared memory or a CUDA pool exported with CUDA IPC. With
         tensor parallelism each rank registers its own pool with its tp_rank: ranks hold
-        different KV heads under the same page keys, so their stored pages are kept apart."""
+        different KV heads under the same page keys, so their stored pages are kept apart.
+        cuda_device: the pool's CUDA device index, by default the one its memory is on."""
+        if cuda_device is None:
+            cuda_device = cuda_index(str(device_pool.flat.device)) if device_pool.flat.is_cuda else 0
         return self.register_memory(
             device_pool.geometry,
             device_pool.num_pages,

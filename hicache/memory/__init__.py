@@ -17,6 +17,7 @@ from hicache.memory.cuda import (
     alloc_device,
     cuda_available,
     cuda_device_count,
+    cuda_index,
     open_cuda_ipc,
     pin_host,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "release_shm",
     "cuda_available",
     "cuda_device_count",
+    "cuda_index",
     "fd_socket_path",
     "local_buffer",
     "map_fds",

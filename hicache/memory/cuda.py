@@ -29,6 +29,13 @@ def cuda_device_count() -> int:
     return int(_torch().cuda.device_count()) if cuda_available() else 0
 
 
+def cuda_index(device: str) -> int:
+    """The index of CUDA device `device`: N for "cuda:N", and for "cuda" the current device
+    (what torch means by it; asked only then, so naming a device initialises nothing)."""
+    index = _torch().device(device).index
+    return int(index) if index is not None else int(_torch().cuda.current_device())
+
+
 def _cupy() -> Any:
     import cupy  # type: ignore[import-not-found]
 
@@ -45,7 +52,7 @@ def alloc_device(nbytes: int, device: str) -> SharedBuffer:
     if not cuda_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     cp = _cupy()
-    index = _torch().device(device).index or 0
+    index = cuda_index(device)
     with cp.cuda.Device(index):
         mem = cp.cuda.Memory(nbytes)  # a plain cudaMalloc: IPC-exportable, offset 0
         array = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
@@ -60,7 +67,7 @@ def open_cuda_ipc(handle: MemoryHandle, device: str = "cuda") -> SharedBuffer:
     if handle.kind != "cuda_ipc":
         raise ValueError(f"expected a cuda_ipc handle, got kind {handle.kind!r}")
     cp = _cupy()
-    index = _torch().device(device).index or 0
+    index = cuda_index(device)
     with cp.cuda.Device(index):
         base = cp.cuda.runtime.ipcOpenMemHandle(handle.ipc_handle)
         mem = cp.cuda.UnownedMemory(base, handle.offset + handle.nbytes, None)
@@ -128,7 +135,7 @@ class CudaIpcOpens:
         """Map `handle` (nbytes at offset from its allocation base) on `device`."""
         if handle.kind != "cuda_ipc":
             raise ValueError(f"expected a cuda_ipc handle, got kind {handle.kind!r}")
-        index = _torch().device(device).index or 0
+        index = cuda_index(device)
         key = (handle.ipc_handle, index)
         base = self.bases.acquire(key)
         try:

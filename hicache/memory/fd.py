@@ -183,7 +183,8 @@ def serve_fds(path: str, store: FdStore) -> FdListener:
 def _answer(conn: socket.socket, store: FdStore) -> None:
     uid = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
     peer_uid = int.from_bytes(uid[4:8], "little")
-    msg, anc, _, _ = conn.recvmsg(len(_MAGIC), socket.CMSG_SPACE(MAX_FDS * 4))
+    # close-on-exec as they arrive: a process the sidecar starts must not inherit the engine's memory
+    msg, anc, _, _ = conn.recvmsg(len(_MAGIC), socket.CMSG_SPACE(MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
     fds = array.array("i")
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -211,10 +212,11 @@ _MAP_FIXED = 0x10
 _PROT_NONE = 0
 
 
-def map_fds(fds: Sequence[int], handle: MemoryHandle) -> tuple[SharedBuffer, list[int]]:
-    """Map `fds` back to back as one flat buffer, and where each segment starts in it
-    (segment_offsets); takes ownership of the fds. Raises ValueError if their sizes do not add
-    up to handle.nbytes."""
+def map_fds(fds: Sequence[int], handle: MemoryHandle) -> tuple[SharedBuffer, list[int], list[int]]:
+    """Map `fds` back to back as one flat buffer; returns it, where each segment starts in it
+    (segment_offsets) and each segment's size (the bytes of it that exist: the rest of its last
+    page is not the file's); takes ownership of the fds. Raises ValueError if their sizes do
+    not add up to handle.nbytes."""
     try:
         sizes = fd_sizes(fds)
         _, total = segment_offsets(sizes)
@@ -250,4 +252,4 @@ def map_fds(fds: Sequence[int], handle: MemoryHandle) -> tuple[SharedBuffer, lis
     import torch  # here, not at import: a sidecar starts without torch
 
     tensor = torch.frombuffer((ctypes.c_uint8 * total).from_address(base), dtype=torch.uint8)
-    return SharedBuffer(tensor, handle, release, damage), offsets
+    return SharedBuffer(tensor, handle, release, damage), offsets, sizes

@@ -5,11 +5,15 @@ A segment's name says who made it: hicache-<pid namespace>-<pid>-<start time>-<9
 bits>. A process killed with SIGKILL cannot unlink its segments, so sweep_dead_segments()
 (run by the sidecar at start-up and at each registration) removes those whose owner, in
 this pid namespace, is gone; owners in other pid namespaces (other containers sharing the
-IPC namespace) are never judged."""
+IPC namespace) are never judged.
+
+Only the process that created a segment unlinks it: a forked child inherits the parent's
+finalizers and SIGTERM handler, and must leave the parent's live segments alone."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import secrets
@@ -20,6 +24,8 @@ import threading
 from collections.abc import Sequence
 
 from hicache.memory.buffer import MemoryHandle, SharedBuffer, check_nbytes, shrunk
+
+log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 SHM_PREFIX = "hicache-"
@@ -53,7 +59,8 @@ def create_shm(nbytes: int, committed: Sequence[tuple[int, int]] | None = None) 
         _unlink(path)
         raise
     os.close(fd)
-    _LIVE_SEGMENTS.add(path)
+    creator = os.getpid()
+    _LIVE_SEGMENTS[path] = creator
     _unlink_on_sigterm()
     try:
         import torch  # here, not at import: a sidecar starts without torch
@@ -62,9 +69,9 @@ def create_shm(nbytes: int, committed: Sequence[tuple[int, int]] | None = None) 
         for offset, length in spans:
             tensor[offset : offset + length].zero_()  # fault the pages in now, not on the first transfer
     except BaseException:
-        _release_segment(path)
+        _release_segment(path, creator)
         raise
-    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: _release_segment(path))
+    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: _release_segment(path, creator))
 
 
 def _pid_namespace() -> int:
@@ -93,7 +100,8 @@ def _owner() -> tuple[int, int, int]:
 def sweep_dead_segments() -> list[str]:
     """Unlink the segments of processes of this pid namespace that are gone (killed before
     they could unlink them); returns their names. A pid reused by a newer process has another
-    start time, so its predecessor's segments go too. Never raises."""
+    start time, so its predecessor's segments go too. A segment this process may not remove
+    (another uid's, in a sticky /dev/shm) is skipped. Never raises."""
     ns = _pid_namespace()
     if not ns:
         return []
@@ -107,9 +115,16 @@ def sweep_dead_segments() -> list[str]:
         if not m or int(m.group(1)) != ns:
             continue
         pid, start = int(m.group(2)), int(m.group(3))
-        if _start_time(pid) != start:
-            _unlink(os.path.join(shm_dir(), name))
-            removed.append(name)
+        if _start_time(pid) == start:
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir(), name))
+        except FileNotFoundError:
+            continue  # another sweeper was first
+        except OSError as exc:
+            log.debug("cannot remove dead shared memory %s: %s", name, exc.strerror)
+            continue
+        removed.append(name)
     return removed
 
 
@@ -155,13 +170,18 @@ def _reserve(fd: int, nbytes: int, offset: int = 0) -> None:
         ) from None
 
 
-# Segments this process created and has not unlinked yet. A set's add/discard/copy are atomic
+# Segments not unlinked yet, by path, with the pid of the process that created them (a forked
+# child inherits this and must leave its parent's alone). A dict's set/pop/copy are atomic
 # under the GIL, so the SIGTERM handler reads it without a lock (a lock could deadlock there).
-_LIVE_SEGMENTS: set[str] = set()
+_LIVE_SEGMENTS: dict[str, int] = {}
 
 
-def _release_segment(path: str) -> None:
-    _LIVE_SEGMENTS.discard(path)
+def _release_segment(path: str, creator: int) -> None:
+    """Unlink the segment at `path` if this process is its `creator`; a forked child's
+    finalizer for its parent's segment does nothing."""
+    if os.getpid() != creator:
+        return
+    _LIVE_SEGMENTS.pop(path, None)
     _unlink(path)
 
 
@@ -176,8 +196,10 @@ def _unlink_on_sigterm() -> None:
         return
 
     def on_sigterm(signum: int, frame: object) -> None:
-        for path in list(_LIVE_SEGMENTS):
-            _unlink(path)
+        me = os.getpid()
+        for path, creator in list(_LIVE_SEGMENTS.items()):
+            if creator == me:
+                _unlink(path)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 

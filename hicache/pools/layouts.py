@@ -91,6 +91,12 @@ class Layout:
         hi = end[np.concatenate((breaks - 1, [len(end) - 1]))]
         return [(int(a), int(b - a)) for a, b in zip(lo, hi, strict=True)]
 
+    def regions(self) -> list[tuple[int, int]]:
+        """Each buffer's (start, end): from its first chunk to the end of its last (the last
+        page's last layer: strides are never negative)."""
+        page, layer, token = self.num_pages - 1, self.geometry.layer_num - 1, self.geometry.page_size - 1
+        return [(s.base, s.offset(page, layer) + token * s.token_stride + s.row_bytes) for s in self.strides]
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_pages={self.num_pages})"
 
@@ -266,6 +272,20 @@ def check_engine_layout(name: str) -> None:
             f"unknown device layout {name!r}; expected '', one of {list(EngineLayout.ORDERS)} "
             f"or {BlockLayout.PREFIX}:<offset>:<layer_stride>:<block_stride>"
         )
+
+
+def check_segments(layout: Layout, segments: Sequence[tuple[str, int, int]]) -> None:
+    """Raises ValueError, naming the segment, its size and the bytes needed, unless each
+    buffer's region of `layout` lies within the segment it starts in. `segments`: (name,
+    offset, size) of the files mapped one after the other, the first at offset 0, each size
+    its file's (the rest of its last mmap page is past the file's end)."""
+    for start, end in layout.regions():
+        name, offset, size = [seg for seg in segments if seg[1] <= start][-1]
+        if end - offset > size:
+            raise ValueError(
+                f"{name} holds {size} bytes, device layout {layout.name!r} of {layout.num_pages} pages "
+                f"needs {end - offset} of it"
+            )
 
 
 _BY_NAME: dict[str, type[Layout]] = {c.name: c for c in (LayerFirst, PageFirst, PageFirstDirect)}

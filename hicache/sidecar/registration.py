@@ -9,7 +9,7 @@ from hicache.geometry import KVGeometry
 from hicache.keys import KEY_BYTES
 from hicache.memory import CudaIpcOpens, FdStore, MemoryHandle, cuda_available, cuda_device_count, map_fds, open_shm
 from hicache.memory.cuda_events import check_event_handles
-from hicache.pools.layouts import BlockLayout, EngineLayout, Layout, check_engine_layout
+from hicache.pools.layouts import BlockLayout, EngineLayout, Layout, check_engine_layout, check_segments
 from hicache.validate import is_int
 
 MAX_OFFLOAD_EVENTS = 256  # interprocess events one engine may hand a pool for its offloads
@@ -154,17 +154,24 @@ def map_engine_layout(
     """Map an engine's memory in its own layout: fds it sent (one segment, or one per buffer:
     SGLang's K and V memfds), shared memory by name, or (a BlockLayout: vLLM's allocation)
     CUDA memory by IPC. Raises ValueError for unknown fd ids, a missing segment, or memory
-    too small for the layout."""
+    too small for the layout (an fd's own size, not only its page-rounded place, bounds the
+    buffer it holds); nothing stays mapped or open then."""
     from hicache.pools.mapped import MappedKVPool  # torch: loaded with the first pool
 
     bases: tuple[int, ...] | None = None
+    segments: list[tuple[str, int, int]] = []  # fd segments: (name, offset, size)
     if memory.kind == "cuda_ipc":
         if ipc is None:
             raise ValueError("CUDA IPC memory needs the sidecar's CUDA opens")
         check_cuda_ipc(memory, cuda_device)
         buf = ipc.open(memory, f"cuda:{cuda_device}")
     elif memory.kind == "fd":
-        buf, offsets = map_fds(fds.take(memory.name.split(",")), memory)
+        ids = memory.name.split(",")
+        buf, offsets, sizes = map_fds(fds.take(ids), memory)
+        segments = [
+            (f"fd segment {i} ({fid})", offset, size)
+            for i, (fid, offset, size) in enumerate(zip(ids, offsets, sizes, strict=True))
+        ]
         if len(offsets) not in (1, len(geometry.buffers)):
             buf.close()
             raise ValueError(
@@ -177,7 +184,10 @@ def map_engine_layout(
         except FileNotFoundError:
             raise ValueError(f"device memory shm {memory.name!r} does not exist") from None
     try:
-        return MappedKVPool(geometry, engine_layout(geometry, pages, layout, bases, buf.nbytes), buf)
+        pool_layout = engine_layout(geometry, pages, layout, bases, buf.nbytes)
+        if segments:
+            check_segments(pool_layout, segments)
+        return MappedKVPool(geometry, pool_layout, buf)
     except BaseException:
         buf.close()
         raise

@@ -8,6 +8,7 @@ import mmap
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -261,3 +262,80 @@ def test_kill_9_loops_of_sidecars_and_engines_leave_no_shared_memory_behind(sock
         proc.wait(timeout=60)
         dev.close()
     assert dev.handle.name not in _segments()
+
+
+def test_the_sweep_skips_a_dead_segment_it_may_not_remove_and_removes_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another uid's dead segment in a sticky /dev/shm cannot be unlinked (EPERM): the sweep,
+    which runs at the sidecar's start-up and at each registration, skips it and goes on."""
+    sys.path[:0] = [str(ROOT)]
+    from hicache.memory import shm
+
+    ns, pid, start = shm._owner()
+    names = [f"hicache-{ns}-{pid}-{start + 1}-{i:024x}" for i in range(3)]  # this pid, another start: dead
+    for name in names:
+        Path(shm.shm_dir(), name).touch()
+    real_unlink, refused = os.unlink, []
+
+    def unlink(path: str) -> None:
+        if not refused and os.path.basename(path) in names:
+            refused.append(os.path.basename(path))
+            raise PermissionError(1, "Operation not permitted", path)
+        real_unlink(path)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    try:
+        removed = shm.sweep_dead_segments()
+    finally:
+        monkeypatch.undo()
+        left = [n for n in names if os.path.exists(os.path.join(shm.shm_dir(), n))]
+        for name in left:
+            os.unlink(os.path.join(shm.shm_dir(), name))
+    assert len(refused) == 1 and left == refused
+    assert sorted(set(removed) & set(names)) == sorted(set(names) - set(refused))
+
+
+FORK = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    from hicache.memory import create_shm, shm_dir
+
+    def exists(name):
+        return os.path.exists(os.path.join(shm_dir(), name))
+
+    for how in ("exit", "sigterm"):
+        parents = create_shm(4096)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            childs = create_shm(4096)
+            os.write(w, childs.handle.name.encode())
+            if how == "exit":
+                sys.exit(0)  # an ordinary exit: atexit runs the finalizers
+            signal.pause()  # until SIGTERM, whose handler the child inherited
+            os._exit(1)
+        os.close(w)
+        child_segment = os.read(r, 256).decode()
+        if how == "sigterm":
+            os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        print(how, os.WIFSIGNALED(status) and os.WTERMSIG(status), exists(parents.handle.name), exists(child_segment))
+        parents.close()
+        print(how, "closed", exists(parents.handle.name))
+    """
+)
+
+
+def test_a_forked_child_unlinks_its_own_segments_and_never_its_parents(tmp_path: Path) -> None:
+    script = tmp_path / "fork.py"
+    script.write_text(FORK.format(root=str(ROOT)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "exit False True False",  # the parent's segment stays, the child's own is gone
+        "exit closed False",
+        f"sigterm {int(signal.SIGTERM)} True False",  # killed by SIGTERM all the same
+        "sigterm closed False",
+    ], out.stdout

@@ -3,6 +3,8 @@
 No GPU here: cupy's runtime is replaced by a recorder of the calls (made, recorded, waited
 on, destroyed), so that these tests check which event each slot, layer and ready_event
 names. That the events order real copies is checked on a GPU by scripts/gpu_ipc_check.py.
+The CUDA device a pool's memory is allocated, opened and registered on is checked the same
+way: cupy's Device records the index it is entered with.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from sidecar_util import filled_device
 from tier_helpers import GEOMETRIES, MemoryTier, identity
 
 from hicache.cache.tiering import HierarchicalCache
+from hicache.client import HiCacheClient
 from hicache.client import cuda_events as client_events
-from hicache.memory import cuda_events
+from hicache.memory import MemoryHandle, cuda, cuda_events
 from hicache.memory.cuda_events import EVENT_HANDLE_BYTES, OpenedIpcEvents
 from hicache.pools import HostKVPool
 from hicache.sidecar.layer_events import LayerEvents
@@ -142,3 +146,60 @@ def test_an_offloads_ready_event_is_the_engines_event_it_names(rt: Runtime) -> N
             pool._ready_hook(bad)
     pool.close()
     assert ("destroy", 1 + OPENED) in rt.calls  # the engine's events are closed with the pool
+
+
+class Stop(Exception):
+    """Raised by the fake cupy once the device is chosen: nothing past that is faked."""
+
+
+def stop(*args: object) -> None:
+    raise Stop
+
+
+@pytest.fixture
+def entered(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The device indices the memory code enters, with current device 3 (a TP rank's, after
+    torch.cuda.set_device(3))."""
+    indices: list[int] = []
+
+    def device(index: int) -> contextlib.nullcontext[None]:
+        indices.append(index)
+        return contextlib.nullcontext()
+
+    runtime = SimpleNamespace(ipcOpenMemHandle=stop)
+    fake = SimpleNamespace(cuda=SimpleNamespace(Device=device, Memory=stop, runtime=runtime))
+    monkeypatch.setattr(cuda, "_cupy", lambda: fake)
+    monkeypatch.setattr(cuda, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    return indices
+
+
+def test_cuda_means_the_current_device_not_device_0(entered: list[int]) -> None:
+    handle = MemoryHandle("cuda_ipc", 4096, ipc_handle=bytes(64))
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(Stop):
+            cuda.alloc_device(4096, device)
+        with pytest.raises(Stop):
+            cuda.open_cuda_ipc(handle, device)
+        with pytest.raises(Stop):
+            cuda.CudaIpcOpens().open(handle, device)
+    assert entered == [3, 3, 3, 1, 1, 1]
+    assert cuda.cuda_index("cuda:0") == 0 and cuda.cuda_index("cuda") == 3
+
+
+def test_register_announces_the_device_the_pool_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    client = HiCacheClient("unix:///nonexistent/hc.sock")  # a channel connects on its first call: none here
+    sent: list[int] = []
+    monkeypatch.setattr(client, "register_memory", lambda *a, cuda_device, **kw: sent.append(cuda_device))
+
+    def pool(device: torch.device) -> Any:
+        flat = SimpleNamespace(device=device, is_cuda=device.type == "cuda")
+        return SimpleNamespace(geometry=None, num_pages=1, handle=None, flat=flat)
+
+    client.register(pool(torch.device("cuda", 1)))
+    client.register(pool(torch.device("cuda")))  # no index: the current device
+    client.register(pool(torch.device("cpu")))
+    client.register(pool(torch.device("cuda", 1)), cuda_device=2)  # told: as told
+    assert sent == [1, 3, 0, 2]
+    client.close()

@@ -4,6 +4,7 @@ ids and sizes are refused with the value named."""
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import shutil
@@ -20,11 +21,12 @@ from hicache.cache.config import HiCacheConfig
 from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.geometry import KVGeometry
 from hicache.keys import page_keys
-from hicache.memory import FdStore, MemoryHandle, fd_socket_path, segment_offsets, send_fds
+from hicache.memory import FdStore, MemoryHandle, fd_socket_path, segment_offsets, send_fds, serve_fds
 from hicache.memory.buffer import local_buffer
 from hicache.pools.flat import FlatPool
 from hicache.pools.layouts import EngineLayout
 from hicache.sidecar.config import ServiceConfig
+from hicache.sidecar.registration import map_engine_layout
 from hicache.sidecar.service import HiCacheService
 from server import ServerConfig, create_server
 
@@ -230,3 +232,82 @@ def test_fd_store_expire_closes_unclaimed_fds_without_other_traffic() -> None:
         store.take([fid])
     assert store.expire() == 0
     os.close(w)
+
+
+def test_received_fds_are_close_on_exec() -> None:
+    """A process the sidecar starts must not inherit the engines' memory."""
+    d = tempfile.mkdtemp(prefix="hc")
+    store = FdStore(ttl_s=60)
+    listener = serve_fds(fd_socket_path(os.path.join(d, "hc.sock")), store)
+    sent = os.memfd_create("sent", 0)  # not close-on-exec here: the flag is per process
+    os.ftruncate(sent, 4096)
+    try:
+        (fid,) = send_fds(os.path.join(d, "hc.sock"), [sent])
+        (got,) = store.take([fid])
+        assert fcntl.fcntl(got, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        os.close(got)
+    finally:
+        os.close(sent)
+        listener.close()
+        store.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _memfd_links(name: str) -> list[str]:
+    """This process's open fds and mappings of memfd `name`."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # the fd listdir itself used
+    with open("/proc/self/maps") as f:
+        maps = f.read().splitlines()
+    return [x for x in fds + maps if f"/memfd:{name} " in x + " "]
+
+
+# rows of 96 bytes: 2 layers * 5 pages * 4 tokens * 96 = 3840 bytes per buffer, not a whole mmap page
+SHORT = KVGeometry(layer_num=2, head_num=1, head_dim=48, v_head_dim=48, page_size=4)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "short"),
+    [
+        ((3840 - 1000, 3840), 0),
+        ((3840, 3840 - 1), 1),
+        ((2 * 3840 - 100,), 0),
+        ((3840, 3840), None),
+        ((2 * 3840,), None),
+    ],
+    ids=["k_memfd_short", "v_memfd_short", "one_memfd_short", "exact_k_and_v", "exact_one"],
+)
+def test_each_memfd_must_hold_its_whole_region_not_just_its_page_rounded_place(
+    sizes: tuple[int, ...], short: int | None
+) -> None:
+    """A memfd up to a page shorter than the buffer it holds still gets a page-rounded place
+    in the mapping: its own size is what counts. Refused naming it, with nothing left open."""
+    store = FdStore(ttl_s=60)
+    name = f"hc-short-{os.getpid()}"
+    fds = []
+    for size in sizes:
+        fds.append(os.memfd_create(name, os.MFD_CLOEXEC))
+        os.ftruncate(fds[-1], size)
+    ids = [store.add(os.dup(fd)) for fd in fds]
+    handle = MemoryHandle("fd", segment_offsets(list(sizes))[1], name=",".join(ids))
+    try:
+        if short is None:
+            pool = map_engine_layout(SHORT, 5, handle, "sglang_layer_first", store)
+            pool.memory.close()
+        else:
+            needs = (2 * 3840) if len(sizes) == 1 else 3840
+            with pytest.raises(ValueError) as err:
+                map_engine_layout(SHORT, 5, handle, "sglang_layer_first", store)
+            assert str(err.value) == (
+                f"fd segment {short} ({ids[short]}) holds {sizes[short]} bytes, "
+                f"device layout 'sglang_layer_first' of 5 pages needs {needs} of it"
+            )
+        assert len(_memfd_links(name)) == len(fds)  # the test's own fds: no dup, no mapping left
+    finally:
+        for fd in fds:
+            os.close(fd)
+        store.close()
