@@ -10,14 +10,19 @@ burst of offloads is one event per call, not one per key.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from hicache.api import EventBatch, EventKind, EventPool, KVEvent, Tier
 
 MAX_QUEUED_KEYS = 1 << 16  # per subscriber: beyond this, new events are dropped
+
+# A pool's host keys for a snapshot: calls its argument with every key on host, under the lock
+# its host index publishes its changes under (HierarchicalCache.with_host_keys).
+HostKeys = Callable[[Callable[[list[bytes]], None]], None]
 
 
 class _Pending:
@@ -132,17 +137,32 @@ class Subscription:
 
 
 class EventBus:
-    """The sidecar's subscribers. Thread-safe; publishing with no subscriber costs one check."""
+    """The sidecar's subscribers and registered pools. Thread-safe; publishing with no
+    subscriber costs one check.
+
+    A pool comes and goes (pool_registered / pool_unregistered) under the lock a subscription
+    starts and takes its snapshot under, so each pool is either in a subscriber's snapshot or
+    announced to it live afterwards, once, and never in a snapshot after it is gone."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _subs and _pools
         self._subs: tuple[Subscription, ...] = ()
+        self._pools: dict[EventPool, HostKeys] = {}  # registered and not unregistered yet
 
-    def subscribe(self, namespace: str | None = None, max_queued_keys: int = MAX_QUEUED_KEYS) -> Subscription:
-        """Events of pools in `namespace` (None: every namespace) from now on."""
+    def subscribe(
+        self, namespace: str | None = None, max_queued_keys: int = MAX_QUEUED_KEYS, *, snapshot: bool = False
+    ) -> Subscription:
+        """Events of pools in `namespace` (None: every namespace) from now on. With snapshot,
+        the subscription starts with POOL_REGISTERED and STORED(host, every resident key) of
+        each such pool registered now, each pool's taken under its index's lock, so that
+        snapshot and later events agree."""
         sub = Subscription(self, namespace, max_queued_keys)
         with self._lock:
             self._subs = (*self._subs, sub)
+            if snapshot:
+                for pool, host_keys in self._pools.items():
+                    if sub.matches(pool):
+                        host_keys(functools.partial(_snapshot, sub, pool))
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -152,6 +172,18 @@ class EventBus:
     @property
     def subscribers(self) -> int:
         return len(self._subs)
+
+    def pool_registered(self, pool: EventPool, host_keys: HostKeys) -> None:
+        """Announce a new pool; snapshots include it from now on."""
+        with self._lock:
+            self._pools[pool] = host_keys
+            self.publish(EventKind.POOL_REGISTERED, pool)
+
+    def pool_unregistered(self, pool: EventPool) -> None:
+        """Announce that the pool is gone; snapshots leave it out from now on."""
+        with self._lock:
+            self._pools.pop(pool, None)
+            self.publish(EventKind.POOL_UNREGISTERED, pool)
 
     def publish(self, kind: EventKind, pool: EventPool, tier: Tier = Tier.NONE, keys: Iterable[bytes] = ()) -> None:
         subs = self._subs  # a tuple replaced on change: read without the lock
@@ -185,8 +217,15 @@ class PoolEvents:
         if self.bus.subscribers:
             self.bus.publish(EventKind(change), self.pool, Tier.STORAGE, keys)
 
-    def registered(self) -> None:
-        self.bus.publish(EventKind.POOL_REGISTERED, self.pool)
+    def registered(self, host_keys: HostKeys) -> None:
+        """The pool is ready: announce it, and include it in snapshots (its keys from host_keys)."""
+        self.bus.pool_registered(self.pool, host_keys)
 
     def unregistered(self) -> None:
-        self.bus.publish(EventKind.POOL_UNREGISTERED, self.pool)
+        self.bus.pool_unregistered(self.pool)
+
+
+def _snapshot(sub: Subscription, pool: EventPool, keys: list[bytes]) -> None:
+    sub.offer(EventKind.POOL_REGISTERED, pool, Tier.NONE, [], snapshot=True)
+    if keys:
+        sub.offer(EventKind.STORED, pool, Tier.HOST, keys, snapshot=True)

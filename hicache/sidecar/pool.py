@@ -89,7 +89,7 @@ class RegisteredPool:
         if events is not None:
             cache.index.observer = events.host
             cache.storage.add_watcher(events.storage)
-            events.registered()
+            events.registered(cache.with_host_keys)
 
     @property
     def index(self) -> HostIndex:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import hmac
 import logging
 import shutil
@@ -23,8 +22,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from hicache.api import (
-    EventKind,
-    EventPool,
     EvictResult,
     KeyStatus,
     LookupResult,
@@ -32,7 +29,6 @@ from hicache.api import (
     PoolInfo,
     PoolStats,
     PrefetchOutcome,
-    Tier,
     TransferResult,
 )
 from hicache.cache.prefetch import PrefetchHandle
@@ -346,14 +342,8 @@ class HiCacheService:
     def subscribe(self, namespace: str | None = None, *, snapshot: bool = True) -> Subscription:
         """KV events of the pools in `namespace` (None: all) from now on. With snapshot, the
         subscription starts with POOL_REGISTERED and STORED(host, every resident key) of each
-        such pool, each taken under that pool's lock, so snapshot and later events agree."""
-        sub = self.events.subscribe(namespace)
-        if snapshot:
-            for pool in self.pool_snapshots():
-                ref = pool.events.pool if pool.events is not None else None
-                if ref is not None and sub.matches(ref):
-                    pool.cache.with_host_keys(functools.partial(_snapshot, sub, ref))
-        return sub
+        such pool (see EventBus.subscribe)."""
+        return self.events.subscribe(namespace, snapshot=snapshot)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     @property
@@ -433,12 +423,6 @@ def _resize(pool: RegisteredPool, pages: int) -> None:
 def _claim(pool: RegisteredPool) -> Claim:
     g = pool.geometry
     return Claim(g.pool_bytes(pool.device.num_pages), g.page_bytes, pool.host.num_pages)
-
-
-def _snapshot(sub: Subscription, pool: EventPool, keys: list[bytes]) -> None:
-    sub.offer(EventKind.POOL_REGISTERED, pool, Tier.NONE, [], snapshot=True)
-    if keys:
-        sub.offer(EventKind.STORED, pool, Tier.HOST, keys, snapshot=True)
 
 
 def _sweep() -> None:

@@ -12,18 +12,21 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import eventually
-from sidecar_util import ROOT, filled_device, keys_for, mimo_geometries
+from sidecar_util import MODEL, ROOT, filled_device, keys_for, mimo_geometries, register, service
 
-from hicache.api import EventBatch, EventKind, EventPool, Tier
+from hicache.api import EventBatch, EventKind, EventPool, PoolInfo, Tier
+from hicache.cache import HierarchicalCache
 from hicache.cache.config import HiCacheConfig
 from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.sidecar.config import ServiceConfig
-from hicache.sidecar.events import EventBus
+from hicache.sidecar.events import EventBus, Subscription
+from hicache.sidecar.service import HiCacheService
 from server import ServerConfig, create_server
 
 ADMIN = "adm-events"
@@ -244,7 +247,7 @@ def test_an_event_lost_between_two_pools_snapshots_is_reported_where_it_was_lost
     bus = EventBus()
     sub = bus.subscribe(max_queued_keys=4)
     a, b = EventPool("pool-a", "", "m", "full"), EventPool("pool-b", "", "m", "full")
-    # what HiCacheService.subscribe offers for pool A: its snapshot fills the queue
+    # what a snapshot (EventBus.subscribe) offers for pool A: its snapshot fills the queue
     sub.offer(EventKind.POOL_REGISTERED, a, Tier.NONE, [], snapshot=True)
     sub.offer(EventKind.STORED, a, Tier.HOST, [bytes([i]) for i in range(4)], snapshot=True)
     bus.publish(EventKind.STORED, a, Tier.HOST, [b"live"])  # lost (number 3), before B's snapshot
@@ -324,3 +327,146 @@ def test_the_events_command_prints_json_lines(served: str) -> None:
         timeout=60,
     )
     assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr
+
+
+# ---- pools that come and go while a subscription starts ----------------------------------------
+def drained(sub: Subscription) -> View:
+    """A router's view of everything queued for `sub` now."""
+    view = View()
+    while (batch := sub.next_batch(timeout=0)) is not None:
+        view.apply(batch)
+    return view
+
+
+def announced(view: View, kind: EventKind) -> list[str]:
+    return [e.pool.pool_id for b in view.batches for e in b.events if e.kind is kind]
+
+
+class NotingLock:
+    """The event bus's lock, noting (in `waiting`) when `thread` starts to wait for it."""
+
+    def __init__(self, lock: Any, thread: threading.Thread, waiting: threading.Event):
+        self.lock, self.thread, self.waiting = lock, thread, waiting
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is self.thread:
+            self.waiting.set()
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def during_the_snapshot(
+    svc: HiCacheService, monkeypatch: pytest.MonkeyPatch, action: Callable[[], object]
+) -> threading.Thread:
+    """Make the first pool snapshot a subscription takes start `action` on a thread of its own,
+    and take the snapshot once the action has finished or waits for the event bus (which the
+    subscriber may hold). Call it before the pools register: a pool hands the bus its snapshot
+    function then. Returns the thread."""
+    reached = threading.Event()
+
+    def run() -> None:
+        try:
+            action()
+        finally:
+            reached.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    monkeypatch.setattr(svc.events, "_lock", NotingLock(svc.events._lock, thread, reached))
+    original = HierarchicalCache.with_host_keys
+
+    def snapshot(cache: HierarchicalCache, fn: Callable[[list[bytes]], None]) -> None:
+        if thread.ident is None:  # the first snapshot
+            thread.start()
+            assert reached.wait(60), "the action neither finished nor reached the bus"  # a bound on a hang
+        original(cache, fn)
+
+    monkeypatch.setattr(HierarchicalCache, "with_host_keys", snapshot)
+    return thread
+
+
+def test_a_pool_unregistered_while_a_subscriber_takes_its_snapshot_stays_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the pool's POOL_UNREGISTERED went out live first and its snapshot (registered,
+    host keys) after it: a router kept a dead pool for good."""
+    svc, dev = service(tmp_path), filled_device(4)
+    try:
+        box: list[str] = []
+        unregistering = during_the_snapshot(svc, monkeypatch, lambda: svc.unregister("u1", box[0]))
+        info = register(svc, dev)
+        box.append(info.pool_id)
+        keys = keys_for(2, seed=1)
+        svc.offload("o1", info.pool_id, keys, [0, 1])
+        sub = svc.subscribe()
+        unregistering.join(60)
+        assert not unregistering.is_alive() and svc.pool_ids == []
+        view = drained(sub)
+        assert view.host == {}, "the router still has the unregistered pool"
+        assert announced(view, EventKind.POOL_REGISTERED) == [info.pool_id]
+        assert announced(view, EventKind.POOL_UNREGISTERED) == [info.pool_id]
+        assert view.batches[-1].events[-1].kind is EventKind.POOL_UNREGISTERED
+    finally:
+        svc.close()
+        dev.close()
+
+
+def test_a_pool_registered_while_a_subscription_starts_is_announced_to_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The subscription starts after the new pool announced itself but before the service
+    listed it. Before, it got neither the live POOL_REGISTERED nor the pool in its snapshot,
+    then the pool's STORED events."""
+    svc, dev = service(tmp_path), filled_device(4)
+    subs: list[Subscription] = []
+    add = svc._pools.add
+
+    def subscribe_first(pool: Any) -> str:
+        subs.append(svc.subscribe())
+        return add(pool)
+
+    monkeypatch.setattr(svc._pools, "add", subscribe_first)
+    try:
+        info = register(svc, dev)
+        keys = keys_for(2, seed=2)
+        svc.offload("o1", info.pool_id, keys, [0, 1])
+        (sub,) = subs
+        view = drained(sub)
+        assert announced(view, EventKind.POOL_REGISTERED) == [info.pool_id]
+        assert view.host == {info.pool_id: set(keys)}
+    finally:
+        svc.close()
+        dev.close()
+
+
+def test_a_pool_registered_while_a_subscriber_takes_its_snapshot_is_announced_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool that registers while the subscriber snapshots another is announced to it once:
+    in the snapshot or live after it, never both."""
+    svc, first_dev, second_dev = service(tmp_path), filled_device(4), filled_device(4, seed=1)
+    try:
+        second: list[str] = []
+
+        def register_second() -> None:
+            info = svc.register(
+                "reg-b", geometry=second_dev.geometry, device_pages=4, device_memory=second_dev.handle, model_id=MODEL
+            )
+            assert isinstance(info, PoolInfo)
+            second.append(info.pool_id)
+
+        registering = during_the_snapshot(svc, monkeypatch, register_second)
+        first = register(svc, first_dev).pool_id
+        sub = svc.subscribe()
+        registering.join(60)
+        assert not registering.is_alive() and len(second) == 1
+        keys = keys_for(2, seed=3)
+        svc.offload("o1", second[0], keys, [0, 1])
+        view = drained(sub)
+        assert sorted(announced(view, EventKind.POOL_REGISTERED)) == sorted([first, second[0]])
+        assert view.host == {first: set(), second[0]: set(keys)}
+    finally:
+        svc.close()
+        first_dev.close()
+        second_dev.close()
