@@ -451,7 +451,8 @@ class RegisteredPool:
 
     def close(self) -> None:
         """Refuse new calls, let in-flight transfers finish, write what is queued for storage,
-        then release host memory (unlink), the device mapping and the storage tier. Idempotent."""
+        then release host memory (unlink), the device mapping and the storage tier. Each step
+        runs even when one before it raised; the first error is raised at the end. Idempotent."""
         with self.lock:
             first = not self.closed
             self.closed = True
@@ -460,24 +461,29 @@ class RegisteredPool:
         if not first:  # a concurrent close() releases; return when it has
             self._released.wait()
             return
+        steps: list[Callable[[], object]] = [self.cache.close]
+        if self.events is not None:
+            steps.append(self._detach_events)
+        steps += [self.cache.storage.close, self.engine.close]
+        steps += [part.close for part in (self.progress, self.layer_events, self.offload_events) if part is not None]
+        steps += [self.host.close, self.device.close]
+        failure: BaseException | None = None
         try:
-            self.cache.close()
-            if self.events is not None:
-                self.cache.storage.remove_watcher(self.events.storage)
-                self.cache.index.observer = None
-                self.events.unregistered()
-            self.cache.storage.close()
-            self.engine.close()
-            if self.progress is not None:
-                self.progress.close()
-            if self.layer_events is not None:
-                self.layer_events.close()
-            if self.offload_events is not None:
-                self.offload_events.close()
-            self.host.close()
-            self.device.close()
+            for step in steps:  # each runs whatever an earlier one raised: memory is never left behind
+                try:
+                    step()
+                except BaseException as exc:
+                    failure = failure or exc
         finally:
             self._released.set()
+        if failure is not None:
+            raise failure
+
+    def _detach_events(self) -> None:
+        assert self.events is not None
+        self.cache.storage.remove_watcher(self.events.storage)
+        self.cache.index.observer = None
+        self.events.unregistered()
 
     def check_integrity(self) -> None:
         with self.lock:

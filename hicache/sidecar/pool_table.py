@@ -67,6 +67,18 @@ class PoolTable:
             raise UnknownId(f"unknown pool id {pool_id!r}")
         return pool
 
+    def end_expired_lease(self, pool_id: str) -> RegisteredPool | None:
+        """end_lease(pool_id) if its lease has run out now, checked under the lock that a
+        renewal takes; None (nothing changed) if it was renewed since expired() listed it,
+        or is gone or being released already."""
+        now = self._clock()
+        with self._lock:
+            deadline = self._leases.get(pool_id)
+            if deadline is None or deadline >= now:
+                return None
+            del self._leases[pool_id]
+            return self._pools[pool_id]
+
     def remove(self, pool_id: str) -> None:
         with self._lock:
             self._pools.pop(pool_id, None)

@@ -229,16 +229,26 @@ class HiCacheService:
         """Release the pool after its in-flight transfers. Raises KeyError for an unknown id."""
         return self._requests.run(("unregister", pool_id), request_id, "", lambda: self._release(pool_id))
 
-    def _release(self, pool_id: str) -> bool:
+    def _release(self, pool_id: str, *, only_expired: bool = False) -> bool:
+        """Release the pool; with only_expired, only if its lease has run out (False if not).
+        Raises KeyError for an unknown id."""
         # The pool stays listed until it is closed, so that a caller who sees it gone also
         # sees its memory released; meanwhile its calls get StateError (closing).
-        pool = self._pools.end_lease(pool_id)
+        if only_expired:
+            expired = self._pools.end_expired_lease(pool_id)
+            if expired is None:
+                return False  # renewed since it was listed (or released by another caller)
+            pool = expired
+        else:
+            pool = self._pools.end_lease(pool_id)
         # a retried registration must not be answered with this pool (its secret) any more
         self._requests.forget(REGISTER, lambda info: isinstance(info, PoolInfo) and info.pool_id == pool_id)
-        pool.close()
-        with self._space_lock:
-            self._pools.remove(pool_id)
-            self._rebalance()
+        try:
+            pool.close()
+        finally:  # a failed step still released what it could: the pool goes
+            with self._space_lock:
+                self._pools.remove(pool_id)
+                self._rebalance()
         return True
 
     # ---- leases -------------------------------------------------------------------------------
@@ -252,15 +262,20 @@ class HiCacheService:
         return self.config.lease_timeout_s
 
     def reap_expired(self) -> list[str]:
-        """Release every pool whose lease ran out; returns their ids."""
-        released = []
-        for pool_id in self._pools.expired():
-            try:
-                self._release(pool_id)
-                released.append(pool_id)
-            except KeyError:
-                pass  # unregistered meanwhile
-        return released
+        """Release every pool whose lease ran out; returns their ids. A lease renewed after
+        the list was made, by a call or KeepAlive, keeps its pool."""
+        return [pool_id for pool_id in self._pools.expired() if self._release_logged(pool_id, only_expired=True)]
+
+    def _release_logged(self, pool_id: str, *, only_expired: bool = False) -> bool:
+        """_release for the reaper and close(), which must go on to the next pool: an unknown
+        id is False, a failed close step is logged (the pool is released all the same)."""
+        try:
+            return self._release(pool_id, only_expired=only_expired)
+        except KeyError:
+            return False  # unregistered meanwhile
+        except Exception:
+            log.exception("releasing pool %s failed in a step; its other steps ran", pool_id)
+            return True
 
     # ---- calls on a pool -------------------------------------------------------------------------
     def offload(
@@ -379,10 +394,7 @@ class HiCacheService:
         """Refuse new registrations and release every pool after its in-flight work, then end
         every event subscription. Idempotent."""
         for pool_id in self._pools.shut():
-            try:
-                self._release(pool_id)
-            except KeyError:
-                pass
+            self._release_logged(pool_id)
         self.events.close()
 
     def check_integrity(self) -> None:

@@ -364,6 +364,58 @@ def test_lease_expiry_reclaims_pool_and_unlinks_shm():
     dev2.close()
 
 
+def test_a_lease_renewed_after_the_reaper_listed_it_keeps_its_pool():
+    """The reaper lists the expired leases, then releases them one by one: a KeepAlive that
+    lands in between renews the lease, and the pool must stay."""
+    clock = FakeClock()
+    svc = HiCacheService(ServiceConfig(lease_timeout_s=10), clock=clock)
+    dev = filled_device(4)
+    info = register(svc, dev, "a")
+    listed = svc._pools.expired
+
+    def listed_then_renewed() -> list[str]:
+        ids = listed()
+        svc.keep_alive(info.pool_id)  # the engine's KeepAlive, just after the list was made
+        return ids
+
+    try:
+        clock.now = 11
+        svc._pools.expired = listed_then_renewed  # type: ignore[method-assign]
+        assert svc.reap_expired() == []
+        assert svc.pool_ids == [info.pool_id] and shm_exists(info.host_shm_name)
+        svc._pools.expired = listed  # type: ignore[method-assign]
+        clock.now = 22
+        assert svc.reap_expired() == [info.pool_id]  # not renewed again: it goes
+        assert svc.reap_expired() == []
+    finally:
+        svc.close()
+        dev.close()
+
+
+def test_a_failing_step_of_a_pool_close_leaves_no_memory_behind(setup, monkeypatch):
+    """The storage tier's close raises: the host memory is unlinked all the same, the pool is
+    gone, and the error surfaces."""
+    svc, dev, info = setup
+    pool = svc._pools.peek(info.pool_id)
+
+    def broken() -> None:
+        raise OSError("tier close failed")
+
+    monkeypatch.setattr(pool.cache.storage, "close", broken)
+    with pytest.raises(OSError, match="tier close failed"):
+        svc.unregister("u", info.pool_id)
+    assert not shm_exists(info.host_shm_name)  # the steps after the failed one ran
+    assert pool.closed and svc.pool_ids == []
+    # the sidecar's own close goes on past a pool whose close fails, to the next pool
+    dev2 = filled_device(4, seed=1)
+    a, b = register(svc, dev2, "a"), register(svc, dev2, "b")
+    for pool_id in (a.pool_id, b.pool_id):
+        monkeypatch.setattr(svc._pools.peek(pool_id).cache.storage, "close", broken)
+    svc.close()
+    assert svc.pool_ids == [] and not shm_exists(a.host_shm_name) and not shm_exists(b.host_shm_name)
+    dev2.close()
+
+
 def test_refcounted_opens_share_and_close_once():
     opened, closed = [], []
     table: RefCountedOpens[str, int] = RefCountedOpens(lambda k: opened.append(k) or len(opened), closed.append)
