@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from hicache._version import __version__
 from hicache.cache.config import HiCacheConfig
-from hicache.geometry import KVGeometry, model_geometries
+from hicache.geometry import KVGeometry, model_geometries, normalize_dtype
 from hicache.memory import cuda_available
 from hicache.paths import default_socket_path
 from hicache.pools.layouts import LAYOUTS
@@ -162,6 +162,15 @@ def check_start_up(args: argparse.Namespace, env: Mapping[str, str]) -> None:
     """What can be refused before the first registration. Raises ValueError."""
     if args.page_size < 1:
         raise ValueError(f"--page-size must be >= 1 (tokens per KV page, as the engine's), got {args.page_size}")
+    if args.tp_size < 1:
+        raise ValueError(f"--tp-size must be >= 1, got {args.tp_size}")
+    if args.kv_cache_dtype != "auto":  # checked with or without --model-config: a typo is never ignored
+        try:
+            normalize_dtype(args.kv_cache_dtype)
+        except ValueError as exc:
+            raise ValueError(f"--kv-cache-dtype: {exc}") from None
+    if args.socket == "":
+        raise ValueError(f"--socket must be a path, got '' (leave it out for {default_socket_path()})")
     if args.hicache_io_backend == "kernel" and env.get("TRITON_INTERPRET") != "1" and not cuda_available():
         raise ValueError(
             "--hicache-io-backend kernel runs Triton copy kernels on CUDA, and this sidecar has no GPU: "

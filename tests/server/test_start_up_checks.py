@@ -209,3 +209,22 @@ def test_start_up_errors_follow_the_log_format_and_name_the_variable_they_came_f
     assert main(["--socket", "/tmp/never.sock"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert "HICACHE_LOG_LEVEL" in json.loads(line)["msg"]  # before: named --log-level, never typed
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "value"),
+    [
+        (["--tp-size", "0"], "--tp-size", "0"),
+        (["--kv-cache-dtype", "bogus"], "--kv-cache-dtype", "'bogus'"),
+        (["--socket", ""], "--socket", "''"),
+    ],
+)
+def test_engine_shape_flags_and_the_socket_are_checked_without_a_model_config(
+    argv: list[str], flag: str, value: str
+) -> None:
+    """Without --model-config these flags size nothing, but a bad value is still refused, not
+    ignored until the day a model config is added (and an empty socket is not the default)."""
+    with pytest.raises(ValueError) as exc:
+        parse_args(["--socket", "/tmp/never.sock", *argv], environ={})
+    message = str(exc.value)
+    assert flag in message and value in message and "\n" not in message, message
