@@ -3,6 +3,7 @@ refcounted opens in another process, and page-locking host buffers (through cupy
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from typing import Any, Generic, TypeVar
 from hicache.memory.buffer import MemoryHandle, SharedBuffer, check_nbytes
 from hicache.memory.shm import create_shm
 
+log = logging.getLogger(__name__)
 K = TypeVar("K")
 B = TypeVar("B")
 
@@ -151,7 +153,9 @@ class CudaIpcOpens:
 
 
 def pin_host(buffer: SharedBuffer) -> bool:
-    """Page-lock a host buffer for fast DMA when CUDA is present. Returns whether it pinned."""
+    """Page-lock a host buffer for fast DMA when CUDA is present. Returns whether it pinned:
+    where CUDA refuses (the memlock limit, too little memory to lock), the buffer stays
+    pageable, which copies slower but the same bytes, and a warning says so."""
     if not cuda_available():
         return False
     try:
@@ -159,7 +163,11 @@ def pin_host(buffer: SharedBuffer) -> bool:
     except ImportError:
         return False
     ptr = buffer.tensor.data_ptr()
-    cp.cuda.runtime.hostRegister(ptr, buffer.nbytes, 0)
+    try:
+        cp.cuda.runtime.hostRegister(ptr, buffer.nbytes, 0)
+    except Exception as exc:  # cupy's CUDARuntimeError; any refusal leaves the buffer as it was
+        log.warning("host pool of %d bytes not pinned (%s): its copies run from pageable memory", buffer.nbytes, exc)
+        return False
     release = buffer._finalizer.detach()
     assert release is not None
     _, unlink, _, _ = release

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -203,3 +204,27 @@ def test_register_announces_the_device_the_pool_is_on(monkeypatch: pytest.Monkey
     client.register(pool(torch.device("cuda", 1)), cuda_device=2)  # told: as told
     assert sent == [1, 3, 0, 2]
     client.close()
+
+
+def test_a_host_buffer_cuda_refuses_to_pin_stays_pageable_and_usable(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """cudaHostRegister fails (the memlock limit): the pool is not refused, it stays pageable,
+    a warning says so, and the buffer is still released (unlinked) as usual."""
+    from hicache.memory.shm import create_shm, shm_dir
+
+    def refuse(ptr: int, nbytes: int, flags: int) -> None:
+        raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
+
+    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(hostRegister=refuse)))
+    monkeypatch.setattr(cuda, "_cupy", lambda: fake)
+    monkeypatch.setattr(cuda, "cuda_available", lambda: True)
+    buf = create_shm(1 << 16)
+    name = buf.handle.name
+    with caplog.at_level("WARNING", logger="hicache.memory.cuda"):
+        assert cuda.pin_host(buf) is False  # before: the error failed the registration
+    assert "not pinned" in caplog.text and "out of memory" in caplog.text
+    buf.tensor.fill_(7)
+    assert int(buf.tensor[-1]) == 7
+    buf.close()
+    assert not os.path.exists(os.path.join(shm_dir(), name))
