@@ -234,13 +234,9 @@ class HiCacheService:
         Raises KeyError for an unknown id."""
         # The pool stays listed until it is closed, so that a caller who sees it gone also
         # sees its memory released; meanwhile its calls get StateError (closing).
-        if only_expired:
-            expired = self._pools.end_expired_lease(pool_id)
-            if expired is None:
-                return False  # renewed since it was listed (or released by another caller)
-            pool = expired
-        else:
-            pool = self._pools.end_lease(pool_id)
+        pool = self._pools.end_expired_lease(pool_id) if only_expired else self._pools.end_lease(pool_id)
+        if pool is None:
+            return False  # renewed since it was listed (or released by another caller)
         # a retried registration must not be answered with this pool (its secret) any more
         self._requests.forget(REGISTER, lambda info: isinstance(info, PoolInfo) and info.pool_id == pool_id)
         try:
