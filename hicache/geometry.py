@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 from hicache.hf_config import geometry_kwargs, model_groups
@@ -179,7 +180,7 @@ class KVGeometry:
                 specs.append(BufferSpec(f"{name}_scale", side, (self.head_num, width), "uint8", self.head_num * width))
         return tuple(specs)
 
-    # ---- derived sizes -------------------------------------------------------------------
+    # ---- derived sizes (the byte counts are cached: read on every transfer) --------------
     @property
     def is_mla(self) -> bool:
         return self.attention == "mla"
@@ -188,27 +189,27 @@ class KVGeometry:
     def is_fp4(self) -> bool:
         return self.dtype == "fp4_e2m1"
 
-    @property
+    @cached_property
     def k_row_bytes(self) -> int:
         """Bytes of K (or the MLA latent) per token per layer, scales included."""
         return sum(b.row_bytes for b in self.buffers if b.side == "k")
 
-    @property
+    @cached_property
     def v_row_bytes(self) -> int:
         """Bytes of V per token per layer, scales included; 0 for MLA."""
         return sum(b.row_bytes for b in self.buffers if b.side == "v")
 
-    @property
+    @cached_property
     def layer_row_bytes(self) -> int:
         """Bytes per token per layer, K + V."""
         return self.k_row_bytes + self.v_row_bytes
 
-    @property
+    @cached_property
     def token_bytes(self) -> int:
         """Bytes per token over all layers, K + V."""
         return self.layer_num * self.layer_row_bytes
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         """Bytes of one page over all layers: token_bytes * page_size."""
         return self.token_bytes * self.page_size

@@ -118,6 +118,7 @@ class TransferEngine:
         self._copier: CpuCopier | None = None
         self._driver: ThreadPoolExecutor | None = None  # asynchronous transfers of the torch backend
         self._queue: CopyQueue | None = None  # those of the native backend (a C thread)
+        self._small: dict[tuple[bool, tuple[int, ...]], native.SmallCopy] = {}  # by (to host, layers)
         _engines.add(self)
 
     # ---- validation ------------------------------------------------------------------------
@@ -230,14 +231,15 @@ class TransferEngine:
                 events = self._cuda.run(src, dst, plan, load=load, per_layer=True, sync=False, after_layer=after_layer)
                 handle = CudaTransferHandle(plan.layers, nbytes, pool, pages, events)
             else:
-                if progress is None and self.backend == "native":
-                    progress = ProgressWords.private(1)
+                inline = self.backend == "native" and nbytes < native.LAYERED_INLINE_BYTES
+                if progress is None and self.backend == "native" and not inline:
+                    progress = ProgressWords.private(1)  # a queued copy's only news
                 if progress is not None:
                     progress.reset()
                 cpu_handle = CpuTransferHandle(plan.layers, nbytes, pool, pages, progress)
                 if self.backend != "native":
                     self._driver_pool().submit(self._drive, src, dst, plan, cpu_handle)
-                elif nbytes < native.LAYERED_INLINE_BYTES:
+                elif inline:
                     self._drive(src, dst, plan, cpu_handle)  # small: here, no hand-off to a thread
                 else:
                     assert progress is not None
@@ -263,7 +265,7 @@ class TransferEngine:
 
     def _drive(self, src: Pool, dst: Pool, plan: TransferPlan, handle: CpuTransferHandle) -> None:
         try:
-            if self.backend == "native" and handle.words is not None:
+            if self.backend == "native":
                 self._copy_all_layers(src, dst, plan, handle.words)
             else:
                 for layer in plan.layers:
@@ -274,13 +276,16 @@ class TransferEngine:
         else:
             handle.finish()
 
-    def _copy_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords) -> None:
+    def _copy_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords | None) -> None:
         """Every layer of a transfer below native.LAYERED_INLINE_BYTES in one C call from this
         thread (and the copy crew's), publishing the count of layers done into the first word
-        (the others are done from the start). No descriptors are built in Python."""
+        (the others are done from the start), if any. No descriptors are built in Python."""
         nbytes = plan.num_pages * self.geometry.page_bytes_for(len(plan.layers))
-        self._publish_spares(words, len(plan.layers))
-        native.copy_small(src, dst, plan, plan.layers, words.addresses[0], self._threads_for(nbytes))
+        address = 0
+        if words is not None:
+            self._publish_spares(words, len(plan.layers))
+            address = words.addresses[0]
+        self._small_copy(src, dst, plan.layers)(plan.src_pages, plan.dst_pages, address, self._threads_for(nbytes))
 
     def _queue_all_layers(self, src: Pool, dst: Pool, plan: TransferPlan, words: ProgressWords) -> None:
         """Plan every layer here (the GIL is held anyway) and queue the copy on the C queue,
@@ -320,7 +325,7 @@ class TransferEngine:
             chosen = plan.layers if layers is None else layers
             nbytes = plan.num_pages * self.geometry.page_bytes_for(len(chosen))
             if nbytes < native.SMALL_BYTES:  # no descriptors in Python
-                native.copy_small(src, dst, plan, chosen, 0, self._threads_for(nbytes))
+                self._small_copy(src, dst, chosen)(plan.src_pages, plan.dst_pages, 0, self._threads_for(nbytes))
                 return
             batch = native.descriptors(src, dst, plan, chosen)
             native.batch_call(src, dst, batch, self._threads_for(batch.nbytes))()
@@ -332,6 +337,16 @@ class TransferEngine:
             copier.run(dsts, srcs)
         elif dsts:
             torch._foreach_copy_(dsts, srcs)
+
+    def _small_copy(self, src: Pool, dst: Pool, layers: tuple[int, ...]) -> native.SmallCopy:
+        """The native copy of a small transfer of `layers` between the pools, made once."""
+        key = (src is self.device_pool, layers)
+        copy = self._small.get(key)
+        if copy is None:
+            if len(self._small) >= 64:  # layer-wise reloads of many layer sets: keep it bounded
+                self._small.clear()
+            copy = self._small[key] = native.small_copy(src, dst, layers)
+        return copy
 
     def _cpu_copier(self, nbytes: int) -> CpuCopier | None:
         """The copy threads, started by the first transfer big enough to use them."""

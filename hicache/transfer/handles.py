@@ -152,7 +152,8 @@ class CpuTransferHandle(TransferHandle):
             self._error = error
             self._finished = True
             self._cond.notify_all()
-        if self.words is not None:
+        # (a native copy has published every layer into its words already: no second wake-up)
+        if self.words is not None and (error is not None or self.words.done() != len(self.layers)):
             self.words.publish_all(FAILED if error is not None else len(self.layers))
 
 

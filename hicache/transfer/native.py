@@ -140,6 +140,30 @@ def page_template(src: Layout, dst: Layout, page_size: int, layers: tuple[int, .
     return PageTemplate(descs, src_stride, dst_stride)
 
 
+@dataclass(frozen=True)
+class SmallCopy:
+    """copy_small bound to one (source pool, destination pool, layers): the template and both
+    pools' addresses are looked up once, so that each call is one C call (small_copy)."""
+
+    head: tuple[int, int, int, int, np.ndarray, np.ndarray, np.ndarray]
+    layers: int
+
+    def __call__(self, src_pages: np.ndarray, dst_pages: np.ndarray, progress: int = 0, threads: int = 1) -> None:
+        assert _native is not None, "the hicache C extension is not built"
+        _native.copy_pages(
+            *self.head, np.ascontiguousarray(src_pages), np.ascontiguousarray(dst_pages), self.layers, False,
+            threads, PIECE_BYTES, progress,
+        )  # fmt: skip
+
+
+def small_copy(src: FlatPool, dst: FlatPool, layers: tuple[int, ...]) -> SmallCopy:
+    """The SmallCopy of `layers` (at least one) from src to dst; the caller keeps it no longer
+    than both pools' memory."""
+    t = page_template(src.layout, dst.layout, src.geometry.page_size, layers)
+    head = (dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes, t.descs, t.src_stride, t.dst_stride)
+    return SmallCopy(head, len(layers))
+
+
 def copy_small(
     src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int], progress: int = 0, threads: int = 1
 ) -> None:
@@ -148,15 +172,9 @@ def copy_small(
     threads - 1 of the copy crew, the count of layers done stored into the word at
     `progress` (0: none). No descriptors are built in Python. Raises ValueError (nothing
     copied) for a page outside either pool."""
-    assert _native is not None, "the hicache C extension is not built"
     if len(layers) == 0:
         return
-    t = page_template(src.layout, dst.layout, src.geometry.page_size, tuple(layers))
-    _native.copy_pages(
-        dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes, t.descs, t.src_stride, t.dst_stride,
-        np.ascontiguousarray(plan.src_pages), np.ascontiguousarray(plan.dst_pages), len(layers), False,
-        threads, PIECE_BYTES, progress,
-    )  # fmt: skip
+    small_copy(src, dst, tuple(layers))(plan.src_pages, plan.dst_pages, progress, threads)
 
 
 def small_descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int]) -> np.ndarray:

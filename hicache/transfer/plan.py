@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -110,13 +110,21 @@ def make_plan(
     dst = as_pages(names[1], dst_pages, dst_limit)
     if src.size != dst.size:
         raise ValueError(f"{names[0]} has {src.size} pages but {names[1]} has {dst.size}")
-    layer_list = _as_layers(layers, layer_num)
-    return TransferPlan(src, dst, layer_list, _layer_runs(layer_list))
-
-
-def _as_layers(layers: Sequence[int] | None, layer_num: int) -> tuple[int, ...]:
     if layers is None:
-        return tuple(range(layer_num))
+        layer_list, runs = _all_layers(layer_num)
+    else:
+        layer_list = _as_layers(layers, layer_num)
+        runs = _layer_runs(layer_list)
+    return TransferPlan(src, dst, layer_list, runs)
+
+
+@lru_cache(maxsize=16)
+def _all_layers(layer_num: int) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """Every layer and its one run, made once per layer count (most transfers ask for all)."""
+    return tuple(range(layer_num)), ((0, layer_num),)
+
+
+def _as_layers(layers: Sequence[int], layer_num: int) -> tuple[int, ...]:
     out = []
     for layer in layers:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < layer_num:

@@ -11,8 +11,9 @@ import numpy as np
 Done = Callable[[], bool]
 
 
-class _Flag:
-    """A done() that the blocking transfer's own thread sets (cheaper than an Event)."""
+class _Claim:
+    """A blocking transfer's hold on its pages: its done() turns True when the block ends.
+    (A plain class: cheaper than a generator context manager on every small transfer.)"""
 
     __slots__ = ("value",)
 
@@ -21,6 +22,12 @@ class _Flag:
 
     def __call__(self) -> bool:
         return self.value
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self.value = True
 
 
 class WriterRegistry:
@@ -35,7 +42,8 @@ class WriterRegistry:
         self._active: list[tuple[str, frozenset[int], Done]] = []
 
     def _check(self, pool: str, pages: np.ndarray) -> frozenset[int]:
-        self._active = [entry for entry in self._active if not entry[2]()]
+        if self._active:
+            self._active = [entry for entry in self._active if not entry[2]()]
         wanted = frozenset(pages.tolist())
         for other_pool, other_pages, _ in self._active:
             clash = wanted & other_pages if other_pool == pool else frozenset()
@@ -52,17 +60,14 @@ class WriterRegistry:
         with self._lock:
             self._check(pool, pages)
 
-    @contextmanager
-    def claim(self, pool: str, pages: np.ndarray) -> Iterator[None]:
-        """Hold `pages` of `pool` for the duration of the block (a blocking transfer)."""
-        finished = _Flag()
+    def claim(self, pool: str, pages: np.ndarray) -> _Claim:
+        """Hold `pages` of `pool` for the duration of a `with` block (a blocking transfer);
+        raises ValueError, holding nothing, if an unfinished transfer writes one of them."""
+        finished = _Claim()
         with self._lock:
             wanted = self._check(pool, pages)
             self._active.append((pool, wanted, finished))
-        try:
-            yield
-        finally:
-            finished.value = True
+        return finished
 
     @contextmanager
     def reserve(self, pool: str, pages: np.ndarray) -> Iterator[Callable[[Done], None]]:

@@ -1,5 +1,6 @@
 """The compiled CPU copy path: descriptor building, merging, bounds checks, streaming."""
 
+import itertools
 import shutil
 import sysconfig
 from pathlib import Path
@@ -290,6 +291,29 @@ def test_copy_small_moves_exactly_the_chosen_pages_and_layers(src_layout, dst_la
             untouched = torch.ones(dst.nbytes, dtype=torch.bool)
             untouched[expected_marks(dst, d_pages.tolist(), layers) > 0] = False
             assert torch.equal(dst.flat[untouched], before[untouched])
+
+
+@needs_native
+def test_one_engine_copies_each_of_more_layer_sets_than_it_keeps_copies_for():
+    """The engine makes each small copy once per (direction, layer set) and keeps at most 64:
+    over 127 layer sets in both directions (past the bound, so it starts again), each reload
+    writes exactly its layers of the page, and offloads after it still copy every layer."""
+    g = KVGeometry(layer_num=7, head_num=1, head_dim=16, v_head_dim=8, page_size=2)
+    dev, host = DeviceKVPool(g, 3), HostKVPool(g, 2, "page_first")
+    fill_random(dev, 4)
+    with TransferEngine(dev, host, "native") as engine:
+        engine.offload([0], [1])
+        for count in range(1, g.layer_num + 1):
+            for layers in itertools.combinations(range(g.layer_num), count):
+                fill_random(dev, 5 + count)  # page 0 changes too: the next offload must carry it
+                before = dev.flat.clone()
+                engine.reload([1], [2], layers=list(layers))
+                untouched = torch.ones(dev.nbytes, dtype=torch.bool)
+                untouched[expected_marks(dev, [2], layers) > 0] = False
+                assert torch.equal(dev.flat[untouched], before[untouched]), layers
+                assert same_page(host, 1, dev, 2, list(layers)), layers
+                engine.offload([0], [1])
+                assert same_page(dev, 0, host, 1), layers
 
 
 @needs_native

@@ -45,19 +45,21 @@ def test_a_failed_copy_fails_every_layer_wait_and_frees_the_pages(monkeypatch: p
     g = mimo(64)
     dev, host = DeviceKVPool(g, 4), HostKVPool(g, 4)
     engine = TransferEngine(dev, host, "native", copy_threads=2)
-    real = native.copy_small
+    real = native.SmallCopy.__call__
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("copy broke")
 
-    monkeypatch.setattr(native, "copy_small", broken)
-    handle = engine.reload_async([0, 1], [2, 3])  # 2.9 MB: copied before it returns, on 2 threads
-    with pytest.raises(RuntimeError, match="copy broke"):
-        handle.wait_layer(0, timeout=30)
-    with pytest.raises(RuntimeError, match="copy broke"):
-        handle.wait(30)
-    assert handle.words is not None and handle.words.done() == FAILED  # type: ignore[attr-defined]
-    monkeypatch.setattr(native, "copy_small", real)
+    monkeypatch.setattr(native.SmallCopy, "__call__", broken)
+    words = ProgressWords.private(2)  # as a sidecar's progress block gives them
+    for progress in (None, words):  # 2.9 MB: copied before it returns, on 2 threads
+        handle = engine.reload_async([0, 1], [2, 3], progress=progress)
+        with pytest.raises(RuntimeError, match="copy broke"):
+            handle.wait_layer(0, timeout=30)
+        with pytest.raises(RuntimeError, match="copy broke"):
+            handle.wait(30)
+    assert words.done() == FAILED and [int(w) for w in words.array] == [FAILED, FAILED]
+    monkeypatch.setattr(native.SmallCopy, "__call__", real)
     engine.reload_async([0, 1], [2, 3]).wait(30)  # the failed transfer no longer holds the pages
     engine.close()
 
