@@ -160,7 +160,8 @@ class TransferEngine:
 
         ready (CUDA pools): called with the copy stream before the copy is queued, to make it
         wait for the work that writes the pages (another process's event)."""
-        self._check_cuda_hook("ready", ready)
+        if ready is not None:
+            self._check_cuda_hook("ready", ready)
         plan = self.offload_plan(device_pages, host_pages)
         with self._writers.claim("host_pages", plan.dst_pages):
             self._run(self.device_pool, self.host_pool, plan, load=False, before=ready)

@@ -149,11 +149,9 @@ class SmallCopy:
     layers: int
 
     def __call__(self, src_pages: np.ndarray, dst_pages: np.ndarray, progress: int = 0, threads: int = 1) -> None:
+        """Copy the page pairs (contiguous int64 arrays, as a TransferPlan holds them)."""
         assert _native is not None, "the hicache C extension is not built"
-        _native.copy_pages(
-            *self.head, np.ascontiguousarray(src_pages), np.ascontiguousarray(dst_pages), self.layers, False,
-            threads, PIECE_BYTES, progress,
-        )  # fmt: skip
+        _native.copy_pages(*self.head, src_pages, dst_pages, self.layers, False, threads, PIECE_BYTES, progress)
 
 
 def small_copy(src: FlatPool, dst: FlatPool, layers: tuple[int, ...]) -> SmallCopy:

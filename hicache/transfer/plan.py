@@ -13,10 +13,24 @@ PageList = Sequence[int] | np.ndarray | Any  # also accepts a 1-D integer torch 
 SMALL_LIST = 64  # page lists up to this long are checked in plain Python
 
 
+_INT64 = np.dtype(np.int64)
+
+
 def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
-    """`pages` as a 1-D int64 array, each in [0, limit) and unique. Raises ValueError."""
-    if type(pages) is np.ndarray and pages.dtype == np.int64 and pages.ndim == 1 and pages.size:
+    """`pages` as a contiguous 1-D int64 array, each in [0, limit) and unique. Raises ValueError."""
+    if (
+        type(pages) is np.ndarray
+        and pages.dtype == _INT64
+        and pages.ndim == 1
+        and pages.size
+        and pages.flags.c_contiguous
+    ):
         arr = pages  # the common case, without the generic checks' few microseconds
+        if arr.size == 1:  # one page: no set, no min or max
+            value = int(arr[0])
+            if not 0 <= value < limit:
+                raise ValueError(f"{name} has page {value} out of range [0, {limit})")
+            return arr
     else:
         if hasattr(pages, "detach"):  # a torch tensor
             pages = pages.detach().cpu().numpy()
@@ -29,7 +43,7 @@ def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
             raise _not_integers(name, pages, arr.dtype, limit)
         if arr.dtype.kind == "u":  # a proto's uint64: 2**63 and up would wrap negative in int64
             _check_below(name, arr, limit)
-        arr = arr.astype(np.int64, copy=False)
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
     if arr.size <= SMALL_LIST:  # a few pages: plain Python is faster than numpy's sort
         values = arr.tolist()
         if min(values) < 0 or max(values) >= limit:

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from conftest import CONFIG_NAMES, CPU_BACKENDS, load_config
@@ -202,6 +203,8 @@ def test_roundtrip_random_geometry(data, attention, layer_num, head_num, dims, p
         (lambda e: e.offload([0, 9], [0, 1]), "device_pages has page 9 out of range \\[0, 4\\)"),
         (lambda e: e.offload([0, 1], [0, 3]), "host_pages has page 3 out of range \\[0, 3\\)"),
         (lambda e: e.offload([-1], [0]), "device_pages has page -1 out of range"),
+        (lambda e: e.offload(np.array([4]), np.array([0])), "device_pages has page 4 out of range \\[0, 4\\)"),
+        (lambda e: e.reload(np.array([0]), np.array([-2])), "device_pages has page -2 out of range"),
         (lambda e: e.offload([1, 1], [0, 2]), "device_pages has duplicate page 1"),
         (lambda e: e.offload([0, 1], [2, 2]), "host_pages has duplicate page 2"),
         (lambda e: e.offload([0, 1], [2]), "device_pages has 2 pages but host_pages has 1"),
@@ -235,3 +238,21 @@ def test_engine_rejects_mismatched_geometries():
 def test_empty_transfer_is_a_noop():
     g = KVGeometry(layer_num=1, head_num=1, head_dim=16, v_head_dim=8)
     assert TransferEngine(DeviceKVPool(g, 1), HostKVPool(g, 1)).offload([], []) == 0
+    empty = np.zeros(0, dtype=np.int64)
+    assert TransferEngine(DeviceKVPool(g, 1), HostKVPool(g, 1)).offload(empty, empty) == 0
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_page_lists_may_be_strided_or_other_integer_arrays(backend):
+    """int64 arrays with a stride (a slice), int32 and big-endian ones copy the pages they name."""
+    g = KVGeometry(layer_num=2, head_num=1, head_dim=16, v_head_dim=8, page_size=2)
+    dev, host = DeviceKVPool(g, 8), HostKVPool(g, 8)
+    fill_random(dev, 3)
+    engine = TransferEngine(dev, host, backend)
+    every_other = np.arange(8, dtype=np.int64)[::2]  # pages 0 2 4 6, not contiguous
+    engine.offload(every_other, np.array([7, 5, 3, 1], dtype=">i8"))
+    for d, h in ((0, 7), (2, 5), (4, 3), (6, 1)):
+        assert same_page(dev, d, host, h)
+    back = DeviceKVPool(g, 8)
+    TransferEngine(back, host, backend).reload(np.array([7, 5], dtype=np.int32), np.arange(8)[1::4])  # into 1, 5
+    assert same_page(dev, 0, back, 1) and same_page(dev, 2, back, 5)
