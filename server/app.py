@@ -231,7 +231,7 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
     ]
     executor = futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="hicache-rpc")
     server = grpc.server(executor, interceptors=interceptors, options=options)
-    servicer = HiCacheServicer(service, config.admin_token)
+    servicer = HiCacheServicer(service, config.admin_token, config.max_event_streams)
     add_servicer(servicer, server)  # undecodable requests: INVALID_ARGUMENT
     health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -17,6 +17,7 @@ from hicache.paths import default_socket_path
 from hicache.pools.layouts import LAYOUTS
 from hicache.sidecar.config import IO_BACKENDS, ServiceConfig, check_seconds
 from hicache.storage.factory import check_backend_kind
+from hicache.validate import is_int
 
 from .envflags import document, env_argv, env_name
 from .logs import LOG_FORMATS, log_level
@@ -71,8 +72,14 @@ class ServerConfig:
             check_seconds("reap_interval_s", self.reap_interval_s)
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
-        if self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if not is_int(self.workers) or self.workers < 1:
+            raise ValueError(f"--workers must be an int >= 1, got {self.workers!r}")
+
+    @property
+    def max_event_streams(self) -> int:
+        """KV-event streams served at once: each holds an RPC thread for as long as it is open,
+        so they may take half of the workers and never starve unary calls (or health checks)."""
+        return self.workers // 2
 
 
 def check_tls(listen: str | None, cert: str | None, key: str | None, client_ca: str | None) -> None:
@@ -137,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-batch", type=int, default=65536, help="most keys in one call")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=16,
+        help="RPC threads; KV-event streams (SubscribeEvents) may hold at most half of them",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="text, or json: one object a line")
     p.add_argument(
@@ -225,6 +238,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         insecure=args.insecure,
         service=service,
         grace_s=args.grace,
+        workers=args.workers,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         health_interval_s=args.health_interval,

@@ -1,8 +1,8 @@
 """The HiCache gRPC servicer: converts messages and maps the service's errors to status codes.
 
 It holds no logic of its own. ValueError -> INVALID_ARGUMENT, UnknownId -> NOT_FOUND,
-StateError -> FAILED_PRECONDITION, a NoSpace return -> RESOURCE_EXHAUSTED, anything
-else -> INTERNAL. Authentication is the interceptor's job (server/auth.py).
+StateError -> FAILED_PRECONDITION, a NoSpace return (or a KV-event stream beyond
+max_event_streams) -> RESOURCE_EXHAUSTED, anything else -> INTERNAL. Authentication is the interceptor's job (server/auth.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from hicache.rpc import convert
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
 from hicache.sidecar.errors import NoSpace, StateError, UnknownId
+from hicache.sidecar.events import Subscription
 from hicache.sidecar.service import HiCacheService
 
 log = logging.getLogger("hicache.server")
@@ -29,7 +30,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Exhausted(Exception):
-    """A NoSpace answer, raised inside the servicer only to reach abort_for."""
+    """A NoSpace answer, or no room for another stream: raised inside the servicer only to
+    reach abort_for (RESOURCE_EXHAUSTED)."""
 
 
 def abort_for(exc: BaseException, context: grpc.ServicerContext) -> NoReturn:
@@ -69,10 +71,12 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     secret (RegisterPool's pool_secret) as metadata, or gets PERMISSION_DENIED; stats of all
     pools need the admin token (--admin-token)."""
 
-    def __init__(self, service: HiCacheService, admin_token: str | None = None):
+    def __init__(self, service: HiCacheService, admin_token: str | None = None, max_event_streams: int = 8):
         self.service = service
         self.admin_token = admin_token
         self._ending = threading.Event()
+        self.max_event_streams = max_event_streams
+        self._event_streams = threading.Semaphore(max_event_streams)
 
     def end_streams(self) -> None:
         """End every SubscribeEvents stream, each after what it has queued (shutdown: the
@@ -237,10 +241,24 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     ) -> Iterator[pb.EventBatch]:
         try:
             self._admin(context, "KV events")
-            namespace = None if request.all_namespaces else request.namespace
-            sub = self.service.subscribe(namespace, snapshot=not request.skip_snapshot)
+            if not self._event_streams.acquire(blocking=False):  # an open stream holds an RPC thread
+                raise Exhausted(
+                    f"this sidecar serves at most {self.max_event_streams} KV-event streams at once (half of its "
+                    f"--workers), and they are open: close one, or start the sidecar with more --workers"
+                )
         except Exception as exc:
             abort_for(exc, context)
+        try:
+            try:
+                namespace = None if request.all_namespaces else request.namespace
+                sub = self.service.subscribe(namespace, snapshot=not request.skip_snapshot)
+            except Exception as exc:
+                abort_for(exc, context)
+            yield from self._follow(sub, context)
+        finally:
+            self._event_streams.release()
+
+    def _follow(self, sub: Subscription, context: grpc.ServicerContext) -> Iterator[pb.EventBatch]:
         context.add_callback(sub.close)  # the client went away: stop queueing for it
         try:
             while context.is_active():

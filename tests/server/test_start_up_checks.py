@@ -19,6 +19,7 @@ from server.config import parse_args
     ("argv", "env", "message"),
     [
         (["--page-size", "0"], {}, "--page-size must be >= 1"),
+        (["--workers", "0"], {}, "--workers must be an int >= 1, got 0"),
         ([], {"HICACHE_RATIO": "abc"}, "HICACHE_RATIO='abc': --hicache-ratio takes a float"),
         ([], {"HICACHE_MEM_LAYOUT": "sideways"}, "HICACHE_MEM_LAYOUT='sideways': --hicache-mem-layout takes one of"),
         (["--hicache-storage-backend-extra-config", '{"nope": 1}'], {}, "accepted: ['dir', 'max_bytes', 'fsync'"),
@@ -29,6 +30,13 @@ def test_bad_start_up_values_are_refused_naming_them(argv: list[str], env: dict[
     with pytest.raises(ValueError) as exc:
         parse_args(["--socket", "/tmp/never.sock", *argv], environ=env)
     assert message in str(exc.value), str(exc.value)
+
+
+def test_workers_come_from_the_flag_or_its_variable_and_set_the_event_stream_limit() -> None:
+    config, _ = parse_args(["--socket", "/tmp/never.sock", "--workers", "32"], environ={})
+    assert (config.workers, config.max_event_streams) == (32, 16)
+    config, _ = parse_args(["--socket", "/tmp/never.sock"], environ={"HICACHE_WORKERS": "6"})
+    assert (config.workers, config.max_event_streams) == (6, 3)
 
 
 @pytest.mark.skipif(cuda_available(), reason="this host has CUDA: the kernel backend is valid here")
