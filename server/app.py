@@ -32,7 +32,7 @@ from .decoding import add_servicer
 from .envflags import unknown_variables
 from .health_monitor import NOT_SERVING, HealthMonitor
 from .logs import announce, configure_logging
-from .metrics import Metrics
+from .metrics import Metrics, metrics_url
 from .servicer import HiCacheServicer
 
 log = logging.getLogger("hicache.server")
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         announce(config.log_format, f"error: {exc}", sys.stderr, level="ERROR")
         return 2
-    metrics = None if server.metrics_port is None else f"http://{config.metrics_host}:{server.metrics_port}/metrics"
+    metrics = None if server.metrics_port is None else metrics_url(config.metrics_host, server.metrics_port)
     announce(
         config.log_format,
         f"serving on {' '.join(server.addresses)}" + (f"; metrics on {metrics}" if metrics else ""),

@@ -220,7 +220,7 @@ class Metrics:
         """Start the HTTP endpoint (/metrics); returns the bound port (port 0 picks one)."""
         self._httpd, _thread = start_http_server(port, addr=host, registry=self.registry)
         bound = int(self._httpd.server_port)
-        log.info("metrics on http://%s:%d/metrics", host, bound)
+        log.info("metrics on %s", metrics_url(host, bound))
         return bound
 
     def stop(self) -> None:
@@ -228,3 +228,8 @@ class Metrics:
             self._httpd.shutdown()
             self._httpd.server_close()
             self._httpd = None
+
+
+def metrics_url(host: str, port: int) -> str:
+    """The /metrics URL of host:port (an IPv6 address in brackets)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,8 +30,8 @@ def check_prefetch_policy(name: str) -> PrefetchPolicy:
 @dataclass(frozen=True)
 class PrefetchTimeout:
     """How long the `timeout` policy waits for a prefetch, from the moment it started:
-    min(max_s, base_s + per_ki_token_s * tokens / 1024). Raises ValueError for a negative
-    value or max_s < base_s."""
+    min(max_s, base_s + per_ki_token_s * tokens / 1024). Raises ValueError for a negative or
+    non-finite value, or max_s < base_s."""
 
     base_s: float = 1.0
     per_ki_token_s: float = 0.25
@@ -39,8 +40,8 @@ class PrefetchTimeout:
     def __post_init__(self) -> None:
         for name in ("base_s", "per_ki_token_s", "max_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"PrefetchTimeout.{name} must be a number >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ValueError(f"PrefetchTimeout.{name} must be a finite number >= 0, got {value!r}")
         if self.max_s < self.base_s:
             raise ValueError(f"PrefetchTimeout.max_s {self.max_s} is below base_s {self.base_s}")
 

@@ -59,7 +59,10 @@ def test_defaults_and_flags(tmp_path):
         (["--hicache-storage-backend-extra-config", "[1]"], "must be a JSON object, got '\\[1\\]'"),
         (["--hicache-storage-backend-extra-config", '{"dri": "/x"}'], "'dri'"),
         (["--hicache-storage-backend", "redis"], 'needs "url"'),
-        (["--hicache-storage-backend-extra-config", '{"prefetch_timeout_max_s": -1}'], "max_s must be a number >= 0"),
+        (
+            ["--hicache-storage-backend-extra-config", '{"prefetch_timeout_max_s": -1}'],
+            "max_s must be a finite number >= 0",
+        ),
         (["--hicache-ratio", "-1"], "ratio must be a number >= 0, got -1"),
     ],
 )

@@ -1,5 +1,6 @@
 """Prefetch policies, with a storage stub that only delays (no timed assertions)."""
 
+import math
 import threading
 from collections.abc import Iterator
 
@@ -47,8 +48,11 @@ def test_timeout_rule():
     assert (t.seconds(0), t.seconds(1024), t.seconds(2048), t.seconds(10**6)) == (1, 1.5, 2, 3)
     with pytest.raises(ValueError, match="max_s 0.5 is below base_s 1"):
         PrefetchTimeout(base_s=1, max_s=0.5)
-    with pytest.raises(ValueError, match="per_ki_token_s must be a number >= 0, got -1"):
+    with pytest.raises(ValueError, match="per_ki_token_s must be a finite number >= 0, got -1"):
         PrefetchTimeout(per_ki_token_s=-1)
+    for bad in (math.nan, math.inf):  # a NaN allowance would never expire, nor compare
+        with pytest.raises(ValueError, match=f"base_s must be a finite number >= 0, got {bad}"):
+            PrefetchTimeout(base_s=bad, max_s=math.inf)
 
 
 @pytest.mark.parametrize("name", GEOMETRY_NAMES)

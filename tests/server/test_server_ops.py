@@ -27,6 +27,7 @@ from server import ServerConfig, create_server, parse_args
 from server.config import build_parser
 from server.envflags import env_argv, env_name, unknown_variables
 from server.logs import configure_logging
+from server.metrics import metrics_url
 
 
 @pytest.fixture
@@ -417,3 +418,28 @@ def test_the_readme_metrics_table_names_the_labels_that_are_exported(sockdir):
             rows += 1
             assert exported.get(metric) == labels, (metric, labels, exported.get(metric))
     assert rows >= 10
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def test_the_metrics_url_brackets_an_ipv6_host_and_answers_there(sockdir):
+    assert metrics_url("127.0.0.1", 9100) == "http://127.0.0.1:9100/metrics"
+    assert metrics_url("::1", 9100) == "http://[::1]:9100/metrics"  # was http://::1:9100, not a URL
+    if not _has_ipv6_loopback():
+        pytest.skip("this host has no IPv6 loopback")
+    srv, _ = create_server(ServerConfig(socket=os.path.join(sockdir, "hc.sock"), metrics_port=0, metrics_host="::1"))
+    try:
+        assert srv.metrics_port
+        body = urllib.request.urlopen(metrics_url("::1", srv.metrics_port), timeout=10).read().decode()
+        assert "# TYPE hicache_pages_total counter" in body
+    finally:
+        srv.stop(0)
