@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from hicache._version import __version__
 from hicache.cache.config import HiCacheConfig
@@ -106,8 +107,16 @@ def expected_geometries(model_config: str, *, tp_size: int, page_size: int, dtyp
     return model_geometries(config, tp_size=tp_size, page_size=page_size, dtype=dtype)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Raises ValueError for a bad command line, so that main() reports it as every other
+    start-up error (one line, in the --log-format asked for) instead of argparse's usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="hicache-server",
         description="hicache sidecar: host KV-cache tier over gRPC",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -212,6 +212,10 @@ def test_start_up_errors_follow_the_log_format_and_name_the_variable_they_came_f
     (line,) = capsys.readouterr().err.splitlines()
     record = json.loads(line)  # before: plain text, whatever --log-format said
     assert record["level"] == "ERROR" and "--lease-timeout" in record["msg"]
+    for argv, named in ((["--bogus"], "unrecognized arguments: --bogus"), (["--workers", "many"], "--workers")):
+        assert main(["--socket", "/tmp/never.sock", "--log-format", "json", *argv]) == 2
+        (line,) = capsys.readouterr().err.splitlines()  # before: argparse's usage text, not JSON
+        assert named in json.loads(line)["msg"] and "hicache-server --help" in json.loads(line)["msg"]
     monkeypatch.setenv("HICACHE_LOG_FORMAT", "json")
     monkeypatch.setenv("HICACHE_LOG_LEVEL", "LOUD")
     assert main(["--socket", "/tmp/never.sock"]) == 2
