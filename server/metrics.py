@@ -26,14 +26,18 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hicache.api import PoolStats
 from hicache.sidecar.service import HiCacheService
+
+if TYPE_CHECKING:
+    from hicache.sidecar.pool import RegisteredPool
 
 log = logging.getLogger("hicache.metrics")
 POOL = ["pool", "group", "namespace"]
@@ -47,19 +51,33 @@ class ServiceCollector(Collector):
     """Turns the service's per-pool stats into metric families at each scrape. A pool's
     series are labelled by its stable name (model|namespace|group|rank), not its random id,
     so they continue across re-registrations; pools that share a name (two replicas of one
-    engine) are summed. A counter keeps what a released pool counted (as of the last scrape
-    that saw it), so that it never goes down."""
+    engine) are summed. A counter keeps what a released pool counted, read once it closed
+    (the service's release hook), so that it never goes down and loses nothing."""
 
     def __init__(self, service: HiCacheService):
         self.service = service
-        self._lock = threading.Lock()  # one scrape at a time: they share the two tables below
+        self._lock = threading.Lock()  # one scrape or release at a time: they share the tables below
         self._seen: dict[str, dict[Series, float]] = {}  # pool id -> its counters at the last scrape
         self._released: dict[Series, float] = defaultdict(float)  # what released pools counted
+        service.add_release_hook(self.released)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             families = self._families()
         yield from families
+
+    def released(self, pool: RegisteredPool) -> None:
+        """A pool was released (and closed: its transfers and storage writes are done): keep
+        its final counts, including what it counted since the last scrape."""
+        with self._lock:
+            last = self._seen.pop(pool.identity.pool_id, None)
+            try:
+                final = _counts(pool)[0]
+            except Exception:  # unreadable: what the last scrape saw is the best there is
+                log.warning("pool %s: final counters unreadable; metrics keep its last scrape", pool.identity.pool_id)
+                final = last or {}
+            for series, value in final.items():
+                self._released[series] += value
 
     def _families(self) -> list[Metric]:
         c, g = CounterMetricFamily, GaugeMetricFamily
@@ -87,34 +105,11 @@ class ServiceCollector(Collector):
         for pool in pools:
             pool_id = pool.identity.pool_id
             try:
-                s, cs = pool.stats(), pool.cache.stats()
-                with pool.lock:
-                    copy_s = (pool.counters.offload_s, pool.counters.reload_s)
-            except Exception:  # released while we looked: its last counts retire at the next scrape
-                if pool_id in self._seen:
-                    seen[pool_id] = self._seen[pool_id]
+                counts, s = _counts(pool)
+            except Exception:  # closing while we looked: carried below
                 continue
             ids = (pool.identity.series, s.group, s.namespace)
-            st, pb = cs["storage"], max(s.page_bytes, 1)
-            counts: dict[Series, float] = defaultdict(float)
-            moved = (
-                ("device_to_host", "host", s.offload_bytes // pb, s.offload_bytes),
-                ("host_to_device", "host", s.reload_bytes // pb, s.reload_bytes),
-                ("host_to_storage", "storage", st["writes"], st["bytes_written"]),
-                ("storage_to_host", "storage", st["bytes_read"] // pb, st["bytes_read"]),
-            )
-            for direction, tier, n_pages, n_bytes in moved:
-                counts[("pages", *ids, direction, tier)] += n_pages
-                counts[("bytes", *ids, direction, tier)] += n_bytes
-            counts[("seconds", *ids, "device_to_host")] += copy_s[0]
-            counts[("seconds", *ids, "host_to_device")] += copy_s[1]
-            for t in s.tiers:
-                counts[("hits", *ids, t.tier.value)] += t.hits
-                counts[("misses", *ids, t.tier.value)] += t.misses
-            counts[("evictions", *ids, "host")] += pool.index.evictions
-            counts[("evictions", *ids, "storage")] += st["evictions"]
-            counts[("checksum", *ids, "storage")] += st["corrupt"]
-            seen[pool_id] = dict(counts)
+            seen[pool_id] = counts
             sums[("host", *ids, "used")] += s.used_pages
             sums[("host", *ids, "pinned")] += s.pinned_pages
             sums[("capacity", *ids)] += s.host_pages
@@ -123,9 +118,8 @@ class ServiceCollector(Collector):
             lows[key] = min(lows.get(key, 1.0), 1.0 if s.storage_healthy else 0.0)
             infos.add((*ids, s.copy_backend))
         for pool_id, counts in self._seen.items():
-            if pool_id not in seen:  # released since the last scrape
-                for series, value in counts.items():
-                    self._released[series] += value
+            if pool_id not in seen:  # closing: as last seen until its release hook retires it
+                seen[pool_id] = counts
         self._seen = seen
         for series, value in self._released.items():
             sums[series] += value
@@ -144,6 +138,35 @@ class ServiceCollector(Collector):
             copies.add_metric(list(info), 1.0)
         pool_count = GaugeMetricFamily("hicache_pools", "Registered pools", value=len(pools))
         return [*families.values(), healthy, copies, pool_count]
+
+
+def _counts(pool: RegisteredPool) -> tuple[dict[Series, float], PoolStats]:
+    """The pool's counter series, and its stats (for the gauges). Raises what a closing
+    pool's reads raise."""
+    s, cs = pool.stats(), pool.cache.stats()
+    with pool.lock:
+        copy_s = (pool.counters.offload_s, pool.counters.reload_s)
+    ids = (pool.identity.series, s.group, s.namespace)
+    st, pb = cs["storage"], max(s.page_bytes, 1)
+    counts: dict[Series, float] = defaultdict(float)
+    moved = (
+        ("device_to_host", "host", s.offload_bytes // pb, s.offload_bytes),
+        ("host_to_device", "host", s.reload_bytes // pb, s.reload_bytes),
+        ("host_to_storage", "storage", st["writes"], st["bytes_written"]),
+        ("storage_to_host", "storage", st["bytes_read"] // pb, st["bytes_read"]),
+    )
+    for direction, tier, n_pages, n_bytes in moved:
+        counts[("pages", *ids, direction, tier)] += n_pages
+        counts[("bytes", *ids, direction, tier)] += n_bytes
+    counts[("seconds", *ids, "device_to_host")] += copy_s[0]
+    counts[("seconds", *ids, "host_to_device")] += copy_s[1]
+    for t in s.tiers:
+        counts[("hits", *ids, t.tier.value)] += t.hits
+        counts[("misses", *ids, t.tier.value)] += t.misses
+    counts[("evictions", *ids, "host")] += pool.index.evictions
+    counts[("evictions", *ids, "storage")] += st["evictions"]
+    counts[("checksum", *ids, "storage")] += st["corrupt"]
+    return dict(counts), s
 
 
 class LatencyInterceptor(grpc.ServerInterceptor):

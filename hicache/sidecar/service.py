@@ -69,7 +69,14 @@ class HiCacheService:
         self._ipc = CudaIpcOpens()
         self._space_lock = threading.Lock()  # one pool at a time checks /dev/shm and reserves in it
         self.events = EventBus()
+        self._release_hooks: list[Callable[[RegisteredPool], None]] = []
         _sweep()
+
+    def add_release_hook(self, hook: Callable[[RegisteredPool], None]) -> None:
+        """Call hook(pool) after each pool is released and closed (its transfers and storage
+        writes done, its counters final), from the releasing thread; it must not block. What
+        it raises is logged."""
+        self._release_hooks.append(hook)
 
     # ---- registration -----------------------------------------------------------------------
     def register(
@@ -245,6 +252,11 @@ class HiCacheService:
             with self._space_lock:
                 self._pools.remove(pool_id)
                 self._rebalance()
+            for hook in self._release_hooks:
+                try:
+                    hook(pool)
+                except Exception:
+                    log.exception("a release hook failed for pool %s", pool_id)
         return True
 
     # ---- leases -------------------------------------------------------------------------------

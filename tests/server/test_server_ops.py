@@ -443,3 +443,60 @@ def test_the_metrics_url_brackets_an_ipv6_host_and_answers_there(sockdir):
         assert "# TYPE hicache_pages_total counter" in body
     finally:
         srv.stop(0)
+
+
+def test_a_released_pool_keeps_what_it_counted_after_the_last_scrape(sockdir):
+    """Counters count what a pool did between the last scrape and its release (they stopped at
+    the last scrape), and a release hook that raises is logged, not the release's failure."""
+    cfg = ServerConfig(
+        socket=os.path.join(sockdir, "hc.sock"), service=ServiceConfig(expected=mimo_geometries()), metrics_port=0
+    )
+    srv, address = create_server(cfg)
+    srv.service.add_release_hook(lambda pool: 1 / 0)  # the metrics' own hook runs before it
+    offloaded = ("hicache_pages_total", (("direction", "device_to_host"), ("group", "full"), ("tier", "host")))
+    try:
+        dev = filled_device(8)
+        with HiCacheClient(address) as client:
+            info = client.register(dev, model_id="mimo@test")
+            keys = client.page_keys(list(range(16 * 5)))
+            client.offload(keys[:2], [0, 1])
+            assert scrape(srv.metrics_port)[offloaded] == 2
+            client.offload(keys[2:], [2, 3, 4])  # not scraped before the release
+            assert client.unregister(info.pool_id)
+            assert srv.service.pool_ids == []
+            assert scrape(srv.metrics_port)[offloaded] == 5
+            again = client.register(dev, model_id="mimo@test")  # the same series goes on from there
+            client.offload(keys[:1], [5])
+            assert scrape(srv.metrics_port)[offloaded] == 6
+            client.unregister(again.pool_id)
+    finally:
+        srv.stop(0)
+
+
+def test_a_scrape_while_a_pool_closes_does_not_count_it_twice() -> None:
+    from prometheus_client import generate_latest
+    from sidecar_util import keys_for, make_service, register
+
+    from server.metrics import Metrics
+
+    svc = make_service()
+    metrics = Metrics(svc)
+    offloaded = ("hicache_pages_total", (("direction", "device_to_host"), ("group", "full"), ("tier", "host")))
+
+    def counted() -> float:
+        body = generate_latest(metrics.registry).decode()
+        for family in text_string_to_metric_families(body):
+            for s in family.samples:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("pool", "namespace")))
+                if (s.name, labels) == offloaded:
+                    return s.value
+        return 0.0
+
+    info = register(svc, filled_device(8))
+    svc.offload("r1", info.pool_id, keys_for(2), [0, 1])
+    assert counted() == 2
+    svc.pool(info.pool_id).close()  # closing, not yet released: no longer listed for metrics
+    assert counted() == 2  # its last counts stay until its release retires them
+    assert svc.unregister("r2", info.pool_id)
+    assert counted() == 2  # retired once (before: the scrape above had retired them already)
+    svc.close()
