@@ -6,9 +6,13 @@ import argparse
 import math
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from hicache._version import __version__
 from hicache.paths import default_socket_path
+
+if TYPE_CHECKING:
+    from hicache.client.tls import ClientTls
 
 # The variables the `hicache` command reads (the server's are in hicache_server.envflags).
 CLIENT_VARIABLES = ("HICACHE_SOCKET", "HICACHE_TOKEN")
@@ -36,6 +40,27 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for the answer")
 
 
+def _add_tls(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, help="PEM CA bundle: reach a --listen served over TLS (--tls-cert)")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate, for a sidecar that asks for one (mTLS)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-server-name", default=None, help="name to check the sidecar's certificate against")
+
+
+def _tls(args: argparse.Namespace) -> ClientTls | None:
+    """The TLS options as a ClientTls, None without --tls-ca. Raises ValueError for a
+    certificate or server name without --tls-ca, or what ClientTls refuses."""
+    if args.tls_ca is None:
+        given = [f for f, v in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                                ("--tls-server-name", args.tls_server_name)) if v is not None]  # fmt: skip
+        if given:
+            raise ValueError(f"{', '.join(given)} need --tls-ca (the CA that signed the sidecar's certificate)")
+        return None
+    from hicache.client.tls import ClientTls
+
+    return ClientTls(args.tls_ca, cert=args.tls_cert, key=args.tls_key, server_name=args.tls_server_name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(
@@ -60,9 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         "health", formatter_class=fmt, help="exit 0 only if the sidecar's health service says SERVING"
     )
     _add_target(health)
+    _add_tls(health)
     health.add_argument("--service", default="", help="service name to ask about ('' is the whole server)")
     stats = sub.add_parser("stats", formatter_class=fmt, help="print the stats of every pool on a running sidecar")
     _add_target(stats)
+    _add_tls(stats)
     stats.add_argument("--token", default=None, help="shared token (unset: $HICACHE_TOKEN; never shown here)")
     stats.add_argument(
         "--admin-token",
@@ -86,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument(
         "--admin-token", default=None, help="the sidecar's --admin-token (unset: $HICACHE_ADMIN_TOKEN; never shown)"
     )
+    _add_tls(events)
     return parser
 
 
@@ -103,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "health":
             from hicache.client.health import ask_health
 
-            answer = ask_health(args.target, service=args.service, timeout=args.timeout)
+            answer = ask_health(args.target, service=args.service, timeout=args.timeout, tls=_tls(args))
             print(answer.status)
             return health_exit_code(answer.status, call_failed=answer.call_failed)
         if args.command == "events":
@@ -116,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 duration=args.duration,
                 token=args.token or os.environ.get("HICACHE_TOKEN"),
                 admin_token=args.admin_token or os.environ.get("HICACHE_ADMIN_TOKEN"),
+                tls=_tls(args),
             )
         from hicache.client.stats_cli import print_stats
 
@@ -125,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             admin_token=args.admin_token or os.environ.get("HICACHE_ADMIN_TOKEN"),
             as_json=args.json,
             timeout=args.timeout,
+            tls=_tls(args),
         )
     except (ValueError, OSError) as exc:
         print(f"hicache: error: {_one_line(exc)}", file=sys.stderr)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from hicache.api import EventBatch, Tier
-from hicache.client import HiCacheClient, HiCacheRpcError
+from hicache.client import ClientTls, HiCacheClient, HiCacheRpcError
 
 
 def event_lines(batch: EventBatch) -> Iterator[dict[str, Any]]:
@@ -38,10 +38,11 @@ def print_events(
     token: str | None,
     admin_token: str | None,
     out: TextIO = sys.stdout,
+    tls: ClientTls | None = None,
 ) -> int:
     """Follow the sidecar's events until interrupted or `duration` s; returns 0, or 1 if
     the sidecar refused (wrong admin token) or went away."""
-    with HiCacheClient(target, token=token, retries=0, admin_token=admin_token) as client:
+    with HiCacheClient(target, token=token, retries=0, admin_token=admin_token, tls=tls) as client:
         try:
             for batch in client.events(namespace, snapshot=snapshot, duration=duration):
                 for line in event_lines(batch):

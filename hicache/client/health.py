@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hicache.client.tls import ClientTls
+
 SERVING = "SERVING"
 
 
@@ -33,9 +35,16 @@ class HealthAnswer:
     call_failed: bool
 
 
-def ask_health(target: str, *, service: str = "", timeout: float = 2.0) -> HealthAnswer:
-    """One health Check of `service` ('' is the whole server) on `target`."""
-    with grpc.insecure_channel(grpc_target(target)) as channel:
+def ask_health(target: str, *, service: str = "", timeout: float = 2.0, tls: ClientTls | None = None) -> HealthAnswer:
+    """One health Check of `service` ('' is the whole server) on `target` (over TLS with `tls`:
+    a --listen served with --tls-cert)."""
+    address = grpc_target(target)
+    channel = (
+        grpc.insecure_channel(address)
+        if tls is None
+        else grpc.secure_channel(address, tls.credentials(), options=tls.options())
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

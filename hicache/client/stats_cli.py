@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hicache.api import PoolStats
-from hicache.client import HiCacheClient, HiCacheRpcError
+from hicache.client import ClientTls, HiCacheClient, HiCacheRpcError
 
 
 def stats_to_dict(s: PoolStats) -> dict[str, Any]:
@@ -51,10 +51,11 @@ def print_stats(
     admin_token: str | None = None,
     as_json: bool = False,
     timeout: float = 5.0,
+    tls: ClientTls | None = None,
 ) -> int:
     """Query the sidecar at `target` and print the stats of all its pools (they need its
     --admin-token). Returns 0, or 1 if the call failed."""
-    with HiCacheClient(target, token=token, timeout=timeout, retries=0, admin_token=admin_token) as client:
+    with HiCacheClient(target, token=token, timeout=timeout, retries=0, admin_token=admin_token, tls=tls) as client:
         try:
             pools = client.stats(all_pools=True)
         except HiCacheRpcError as exc:

@@ -5,6 +5,7 @@ TLS and mutual TLS for TCP, and no pickle anywhere on the wire or on disk."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import eventually
 from sidecar_util import filled_device, mimo_geometries, shm_exists
 
 from hicache.client import ClientTls, HiCacheClient, HiCacheRpcError
@@ -247,3 +249,28 @@ def test_no_pickle_in_the_package_or_the_server():
     assert offenders == []
     assert UNSAFE.search("import pickle\n") and UNSAFE.search("x = torch.load(f)") and UNSAFE.search("pickle.loads(b)")
     assert not UNSAFE.search("torch.load(f, weights_only=True)")
+
+
+def test_the_hicache_command_reaches_a_tls_listen_with_its_tls_flags(sockdir, tmp_path, capsys):
+    from hicache.cli import main
+
+    pki = _pki(tmp_path)
+    srv, tcp = _tcp_server(
+        sockdir, tls_cert=pki["server"], tls_key=pki["server_key"], tls_client_ca=pki["ca"], admin_token="adm"
+    )
+    mine = ["--tls-ca", pki["ca"], "--tls-cert", pki["client"], "--tls-key", pki["client_key"]]
+    mine += ["--tls-server-name", "localhost"]
+    try:
+        eventually(lambda: main(["health", "--target", tcp, *mine]) == 0, what="SERVING over TLS")
+        assert capsys.readouterr().out.splitlines()[-1] == "SERVING"
+        assert main(["health", "--target", tcp, "--timeout", "5"]) == 2  # plaintext: no connection
+        assert capsys.readouterr().out.split() == ["UNAVAILABLE"]
+        assert main(["stats", "--target", tcp, "--admin-token", "adm", "--json", *mine]) == 0
+        assert json.loads(capsys.readouterr().out)["pools"] == []
+        assert main(["events", tcp, "--admin-token", "adm", "--duration", "1", "--no-snapshot", *mine]) == 0
+        assert main(["health", "--target", tcp, "--tls-cert", pki["client"]]) == 2
+        assert "--tls-cert need --tls-ca" in capsys.readouterr().err
+        assert main(["health", "--target", tcp, "--tls-ca", str(tmp_path / "missing.pem")]) == 2
+        assert "is not a readable file" in capsys.readouterr().err
+    finally:
+        srv.stop(0)
