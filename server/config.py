@@ -73,8 +73,8 @@ class ServerConfig:
             check_seconds("reap_interval_s", self.reap_interval_s)
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
-        if not is_int(self.workers) or self.workers < 1:
-            raise ValueError(f"--workers must be an int >= 1, got {self.workers!r}")
+        if not is_int(self.workers) or self.workers < 2:  # one open stream would hold the only one
+            raise ValueError(f"--workers must be an int >= 2, got {self.workers!r}")
 
     @property
     def max_event_streams(self) -> int:

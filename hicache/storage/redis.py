@@ -129,6 +129,7 @@ class RedisTier(StorageTier):
         self._per_batch = max(1, max_batch_bytes // fmt.stored_size(identity, b"k" * 32))
         self._arenas = threading.local()  # each thread's reused buffer that GET replies land in
         self._hashers = LazyThreads(HASH_THREADS, "hicache-redis-hash")
+        self._closed = False
 
     def qualified(self, key: bytes) -> bytes:
         """The Redis key of page key `key`."""
@@ -136,16 +137,19 @@ class RedisTier(StorageTier):
         return self.prefix + key
 
     def health(self) -> TierHealth:
+        if self._closed:  # no probe: it would open a new connection after close()
+            return TierHealth(False, f"redis tier {self.url}: closed")
         return self._link.health()
 
     def nodes_down(self) -> list[str]:
         """The servers (cluster nodes) that are down now, host:port."""
-        return self._link.nodes_down()
+        return [] if self._closed else self._link.nodes_down()
 
     def _fill_stats(self, snap: TierStats) -> None:
         snap.nodes_down = self.nodes_down()
 
     def close(self) -> None:
+        self._closed = True
         self._link.close()
         self._hashers.close()
 

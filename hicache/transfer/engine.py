@@ -281,6 +281,8 @@ class TransferEngine:
         """Every layer of a transfer below native.LAYERED_INLINE_BYTES in one C call from this
         thread (and the copy crew's), publishing the count of layers done into the first word
         (the others are done from the start), if any. No descriptors are built in Python."""
+        if not plan.layers:
+            return
         nbytes = plan.num_pages * self.geometry.page_bytes_for(len(plan.layers))
         address = 0
         if words is not None:

@@ -151,6 +151,8 @@ class CpuTransferHandle(TransferHandle):
         with self._cond:
             self._error = error
             self._finished = True
+            if error is None:  # a copy that published nothing here (a native one) is whole too
+                self._ready = len(self.layers)
             self._cond.notify_all()
         # (a native copy has published every layer into its words already: no second wake-up)
         if self.words is not None and (error is not None or self.words.done() != len(self.layers)):

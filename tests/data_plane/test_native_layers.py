@@ -99,3 +99,16 @@ def test_pages_are_free_for_another_transfer_once_every_layer_is_published() -> 
     engine.reload([0, 1, 2, 3], [4, 5, 6, 7])  # refused before: "destination of an unfinished transfer"
     first.wait(30)
     engine.close()
+
+
+def test_an_inline_native_reload_says_every_layer_is_ready_and_no_layers_is_a_no_op() -> None:
+    g = mimo(4)
+    dev, host = DeviceKVPool(g, 4), HostKVPool(g, 4)
+    fill_random(host, 2)
+    with TransferEngine(dev, host, "native") as engine:
+        handle = engine.reload_async([1], [2])  # small: copied before it returns, no progress words
+        assert handle.wait(30) == g.page_bytes
+        assert handle.done() and handle.layers_ready == g.layer_num  # was 0: nothing was published
+        empty = engine.reload_async([1], [3], layers=[])
+        assert empty.wait(30) == 0 and empty.done()  # was ValueError from C: a template of 0 layers
+        assert engine.reload([1], [3], layers=[]) == 0

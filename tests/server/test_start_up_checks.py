@@ -19,7 +19,7 @@ from server.config import parse_args
     ("argv", "env", "message"),
     [
         (["--page-size", "0"], {}, "--page-size must be >= 1"),
-        (["--workers", "0"], {}, "--workers must be an int >= 1, got 0"),
+        (["--workers", "1"], {}, "--workers must be an int >= 2, got 1"),
         ([], {"HICACHE_RATIO": "abc"}, "HICACHE_RATIO='abc': --hicache-ratio takes a float"),
         ([], {"HICACHE_MEM_LAYOUT": "sideways"}, "HICACHE_MEM_LAYOUT='sideways': --hicache-mem-layout takes one of"),
         (["--hicache-storage-backend-extra-config", '{"nope": 1}'], {}, "accepted: ['dir', 'max_bytes', 'fsync'"),

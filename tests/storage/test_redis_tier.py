@@ -142,3 +142,22 @@ def test_the_test_redis_server_is_not_fooled_by_another_server_on_its_port(tmp_p
             second.stop()
     finally:
         first.stop()
+
+
+def test_a_closed_tier_reports_closed_without_dialling_redis_again(redis_server):
+    """A released pool's stats are read after its tier closed (metrics): health() must not
+    probe (redis-py would open a new connection after close, or wait out a connect timeout)."""
+    g = GEOMETRIES["deepseek_mla"]
+    tier = RedisTier(identity(g), redis_server.url)
+    assert tier.set(key(1), payload(g, 1)) and tier.health().healthy
+    tier.close()
+
+    def dialled() -> None:
+        raise AssertionError("a closed tier probed Redis")
+
+    tier._link.health = dialled  # type: ignore[method-assign]
+    tier._link.nodes_down = dialled  # type: ignore[method-assign]
+    health = tier.health()
+    assert not health.healthy and "closed" in health.detail
+    stats = tier.stats()
+    assert (stats.healthy, stats.writes, stats.nodes_down) == (False, 1, [])
