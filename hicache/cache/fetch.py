@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from hicache.cache.policies import PrefetchPolicy, PrefetchTimeout, check_prefetch_policy
 from hicache.cache.prefetch import PrefetchHandle
-from hicache.cache.write_policy import WritePolicyMixin
+from hicache.cache.write_policy import Backup, WritePolicyMixin
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class FetchMixin(WritePolicyMixin):
         """Pages that could be had now without evicting a resident key of `keys`."""
         return self.index.room(keys)
 
-    def _reserve_locked(self, keys: list[bytes], fetch: list[bytes]) -> tuple[list[int], list[tuple[bytes, int]]]:
+    def _reserve_locked(self, keys: list[bytes], fetch: list[bytes]) -> tuple[list[int], list[Backup]]:
         """Pages for as many of `fetch` as fit, never evicting a resident key of `keys`;
         the resident ones become most recently used. Leaves every resident key of `keys`
         resident (a key above a shrunken limit too)."""

@@ -5,8 +5,10 @@ _forget, run with the cache lock held; _submit and _read_evicted run without it.
 - write_through: commit() queues every newly offloaded key.
 - write_through_selective: _note_use() counts uses (offload, re-offload, load from host)
   and queues a key at its SELECTIVE_HITS-th use.
-- write_back: _evicted_locked() picks evicted keys not known to be stored; their bytes are
-  read before the page is handed out again.
+- write_back: _evicted_locked() picks evicted keys not known to be stored (and, for a tier
+  that drops keys unannounced, such as Redis with a TTL or maxmemory, the known ones too, to
+  be written only if the tier no longer has them); their bytes are read before the page is
+  handed out again.
 A queued key holds a reference on its host page until the writer reports it (_write_done),
 so the page cannot be evicted or reused while it waits.
 
@@ -26,6 +28,8 @@ from hicache.cache.index import HostIndex
 from hicache.cache.policies import SELECTIVE_HITS, WritePolicy
 from hicache.cache.writer import StorageWriter, WriteJob
 from hicache.storage.base import Buffer, Payload, StorageTier
+
+Backup = tuple[bytes, int, bool]  # an evicted key, its page, whether to write it only if the tier lost it
 
 
 class WritePolicyMixin:
@@ -110,13 +114,20 @@ class WritePolicyMixin:
             self._hits.pop(k, None)
         return jobs
 
-    def _evicted_locked(self, evicted: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+    def _evicted_locked(self, evicted: list[tuple[bytes, int]]) -> list[Backup]:
+        """The evicted (key, page, if_missing) that write_back must write: those not known
+        to be stored, and, where the tier forgets keys on its own, the others too, written
+        only if the tier lost them meanwhile (the writer asks it first)."""
         self._apply_removals_locked()
-        backups = []
-        for k, page in evicted:
-            if self.write_policy == "write_back" and self.storage.enabled and k not in self._stored:
-                backups.append((k, page))
-                self._begin_locked(k)
+        backups: list[Backup] = []
+        if self.write_policy == "write_back" and self.storage.enabled:
+            unsure = self.storage.forgets_on_its_own
+            for k, page in evicted:
+                stored = k in self._stored
+                if not stored or unsure:
+                    backups.append((k, page, stored))
+                    self._begin_locked(k)
+        for k, _ in evicted:
             self._forget(k)
         return backups
 
@@ -124,8 +135,8 @@ class WritePolicyMixin:
         self._stored.discard(key)
         self._hits.pop(key, None)
 
-    def _read_evicted(self, backups: list[tuple[bytes, int]]) -> list[WriteJob]:
-        return [WriteJob(k, None, self._page_bytes(p)) for k, p in backups]
+    def _read_evicted(self, backups: list[Backup]) -> list[WriteJob]:
+        return [WriteJob(k, None, self._page_bytes(p), if_missing) for k, p, if_missing in backups]
 
     def _page_bytes(self, page: int) -> Buffer:
         data = self.pool.read_page(page)  # a fresh uint8 tensor: .numpy() shares its memory

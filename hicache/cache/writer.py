@@ -3,7 +3,8 @@
 submit() never blocks: it queues what fits under max_queue and hands back the rest, so an
 offload reply never waits on storage. The thread takes up to batch_pages jobs at a time,
 gets each job's bytes (given, or read from the host page by the `read` callback, outside
-any cache lock), calls tier.batch_set once, and reports per-job success to `done`.
+any cache lock), calls tier.batch_set once (after one batch_contains for jobs to write only
+if the tier lost the key), and reports per-job success to `done`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from hicache.storage.base import Payload, StorageTier
 
 @dataclass
 class WriteJob:
-    """One page to store: its bytes now (`data`), or a host page to read when written."""
+    """One page to store: its bytes now (`data`), or a host page to read when written.
+    if_missing: write it only if the tier does not hold the key any more (done either way)."""
 
     key: bytes
     page: int | None = None
     data: Payload | None = None
+    if_missing: bool = False
 
 
 class StorageWriter:
@@ -115,9 +118,13 @@ class StorageWriter:
 
     def _write(self, batch: list[WriteJob]) -> list[bool]:
         ok = [False] * len(batch)
+        held = self._still_held(batch)
         items: list[tuple[bytes, Payload]] = []
         where: list[int] = []
         for i, job in enumerate(batch):
+            if i in held:
+                ok[i] = True  # the tier has it: nothing to write
+                continue
             try:
                 data = job.data if job.data is not None else self._read(job)
             except Exception as e:  # a read must not kill the thread; the job just fails
@@ -135,6 +142,19 @@ class StorageWriter:
             for i, r in zip(where, results, strict=True):
                 ok[i] = r
         return ok
+
+    def _still_held(self, batch: list[WriteJob]) -> set[int]:
+        """Positions of the if_missing jobs whose keys the tier holds (one batch_contains;
+        none if it fails: then they are written)."""
+        ask = [i for i, job in enumerate(batch) if job.if_missing]
+        if not ask:
+            return set()
+        try:
+            found = self.tier.batch_contains([batch[i].key for i in ask])
+        except Exception as e:
+            self._note(e)
+            return set()
+        return {i for i, there in zip(ask, found, strict=True) if there}
 
     def _note(self, e: Exception) -> None:
         with self._cond:

@@ -114,6 +114,9 @@ class StorageTier(ABC):
 
     backend = "abstract"
     enabled = True  # False for the null tier: nothing is ever stored
+    # True where the backend may drop keys without the tier seeing it (a Redis TTL or
+    # maxmemory eviction): a key read from it earlier is then not known to be there still.
+    forgets_on_its_own = False
 
     def __init__(self, identity: TierIdentity):
         self.identity = identity

@@ -94,6 +94,7 @@ class RedisTier(StorageTier):
     """
 
     backend = "redis"
+    forgets_on_its_own = True  # a TTL, or maxmemory with an LRU policy, drops keys unannounced
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ evicts it, also when the drop lands while the key is being fetched."""
 from collections.abc import Iterator
 
 import pytest
-from tier_helpers import GEOMETRIES, identity, key, payload
+from tier_helpers import GEOMETRIES, MemoryTier, identity, key, payload
 
 from hicache.cache.tiering import HierarchicalCache
 from hicache.pools import HostKVPool
@@ -97,3 +97,58 @@ def test_a_closed_cache_stops_watching_its_tier(write_back):
     first.close()
     second.close()
     assert tier._watchers == ()
+
+
+class ForgetfulTier(MemoryTier):
+    """A tier whose backend drops keys unannounced (as Redis does with a TTL or maxmemory)."""
+
+    forgets_on_its_own = True
+
+    def __init__(self) -> None:
+        super().__init__(identity(G))
+        self.written: list[bytes] = []
+
+    def batch_set(self, items):  # type: ignore[no-untyped-def]
+        self.written += [k for k, _ in items]
+        return super().batch_set(items)
+
+
+@pytest.mark.parametrize("forgotten", [True, False])
+def test_a_tier_that_forgets_on_its_own_is_asked_before_a_known_key_is_written_back(forgotten):
+    """write_back trusted that a key read from storage was still there at host eviction; a
+    Redis TTL or maxmemory eviction in between lost the page from both tiers. Now the writer
+    asks the tier, and writes the page only if it is gone."""
+    tier = ForgetfulTier()
+    assert tier.set(key(1), payload(G, 1))
+    pool = HostKVPool(G, 2, "page_first")
+    cache = HierarchicalCache(pool, tier, write_policy="write_back")
+    try:
+        load_from_storage(cache, key(1))  # on host, known to be stored
+        if forgotten:
+            del tier.pages[key(1)]  # expired: the tier is not told
+        assert cache.evict(2) == 1 and cache.flush(60)
+        assert bytes(tier.get(key(1))) == payload(G, 1)
+        assert tier.written == ([key(1)] if forgotten else [])  # still there: not written again
+        assert cache.lookup([key(1)]) == ["storage"]
+        cache.check_integrity()
+    finally:
+        cache.close()
+        pool.close()
+
+
+def test_write_back_over_redis_writes_back_a_page_redis_evicted_on_its_own(redis_server):
+    from hicache.storage.redis import RedisTier
+
+    tier = RedisTier(identity(G), redis_server.url)
+    assert tier.set(key(1), payload(G, 1))
+    pool = HostKVPool(G, 2, "page_first")
+    cache = HierarchicalCache(pool, tier, write_policy="write_back")
+    try:
+        load_from_storage(cache, key(1))
+        assert redis_server.client().delete(tier.qualified(key(1))) == 1  # as maxmemory would
+        assert cache.evict(2) == 1 and cache.flush(60)
+        assert bytes(tier.get(key(1))) == payload(G, 1)  # before: lost from both tiers
+    finally:
+        cache.close()
+        pool.close()
+        tier.close()
