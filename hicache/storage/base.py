@@ -137,7 +137,7 @@ class StorageTier(ABC):
     @abstractmethod
     def set(self, key: bytes, data: Payload) -> bool:
         """Store `data` (one buffer, or a list of buffers in page order) under `key`; True
-        once acknowledged (readable, and on the file tier durable). False on a storage
+        once acknowledged (readable, and on the file tier with fsync durable). False on a storage
         failure or no space. Raises ValueError if `data` is not identity.page_bytes long in
         all or the key is malformed."""
 

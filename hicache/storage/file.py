@@ -2,7 +2,9 @@
 
 Layout: <dir>/<identity qualifier>/<first 2 hex digits of key>/<key hex>.page, each file a
 page in page_format. A write goes to a temporary file in the same folder, is fsynced
-(unless fsync=False), then renamed over the final name, and the folder is fsynced: a page
+(unless fsync=False), then renamed over the final name, and the folder is fsynced (and,
+the first time a page lands in a new shard folder, the root, whose entry that folder is;
+the root's own entry is fsynced at start): a page
 is acknowledged only once it is complete and durable, and a crash leaves at most a
 temporary file, which the next start deletes. With fsync="batch" (group commit), a batch's
 files are written and renamed without a flush each, then one syncfs of the file system
@@ -118,8 +120,25 @@ class FileTier(StorageTier):
         self._buffers = threading.local()  # each thread's reused page buffer (batch_read)
         self.read_threads = read_threads
         self._readers = LazyThreads(read_threads, "hicache-file-read")  # batch_read_into's
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._make_root()
+        # shard folders whose own entry in root is known durable (fsync True: the root is
+        # fsynced once after a new one is made, before its first page is acknowledged)
+        self._durable_dirs: set[Path] = {sub for sub in self.root.iterdir() if sub.is_dir()}
         self._scan()
+
+    def _make_root(self) -> None:
+        """Create the root folder; with fsync, fsync it (the shard folders it holds) and the
+        parent of each folder made on the way (their new entries). A failed fsync is
+        counted and logged, as a write's is."""
+        made = []
+        for folder in (self.root, *self.root.parents):
+            if folder.exists():
+                break
+            made.append(folder)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.fsync is True:  # "batch": each batch's syncfs covers these entries too
+            for folder in (self.root, *(m.parent for m in made)):
+                self._fsync_dir(folder)
 
     # ---- paths and scanning -----------------------------------------------------------------
     def path_of(self, key: bytes) -> Path:
@@ -437,7 +456,16 @@ class FileTier(StorageTier):
             return frozenset()
         if self.fsync == "batch":
             return frozenset() if self._syncfs() else frozenset(dirs)
-        return frozenset(d for d in dirs if not self._fsync_dir(d))
+        failed = set()
+        for d in dirs:
+            if not self._fsync_dir(d):
+                failed.add(d)
+            elif d not in self._durable_dirs:  # a new shard folder: its entry in the root too
+                if self._fsync_dir(d.parent):
+                    self._durable_dirs.add(d)
+                else:
+                    failed.add(d)
+        return frozenset(failed)
 
     def _take_back(self, pages: list[tuple[bytes, Path, os.stat_result]]) -> None:
         """Pages (key, path, stat when written) whose flush failed: each is deleted and

@@ -2,6 +2,7 @@ import errno
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -294,3 +295,35 @@ def test_write_file_writes_many_parts_gathered_in_order(tmp_path, monkeypatch):
     assert path.read_bytes() == b"".join(parts)
     file_tier.write_file(path, [b"short"], fsync=False)  # an existing file is replaced, not kept longer
     assert path.read_bytes() == b"short"
+
+
+def test_with_fsync_a_new_folder_s_entry_is_made_durable_before_its_first_page_is_acknowledged(tmp_path, monkeypatch):
+    """fsync=True fsynced the shard folder a page was renamed into, but not the folder that
+    holds a new shard folder's entry (nor, at start, the new tier folder's): after a power
+    loss the whole folder, with acknowledged pages, could vanish."""
+    synced: list[Path] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    g = GEOMETRIES["mimo_kv"]
+    base = tmp_path / "new" / "tiers"  # made by the tier, two levels
+    tier = FileTier(identity(g), base, fsync=True)
+    assert set(synced) == {tier.root, base, tmp_path / "new", tmp_path}  # each made folder's entry, and the root
+    synced.clear()
+    assert tier.set(key(1), payload(g, 1))
+    shard = tier.path_of(key(1)).parent
+    assert synced == [shard, tier.root]  # the rename, then the new folder's entry
+    synced.clear()
+    same = next(k for k in (key(i) for i in range(2, 4096)) if tier.path_of(k).parent == shard)
+    assert tier.set(same, payload(g, 2))
+    assert synced == [shard]  # the folder's entry is durable already
+    synced.clear()
+    again = FileTier(identity(g), base, fsync=True)  # a restart: the folders it finds count as durable
+    assert synced == [again.root]
+    synced.clear()
+    assert again.set(key(5000), payload(g, 3)) and synced[0] == again.path_of(key(5000)).parent
