@@ -21,7 +21,9 @@ Command = tuple[Any, ...]
 
 class Backoff:
     """Health of one server: healthy, or down until retry_at, the wait doubling from
-    initial_s to max_s with each failure in a row. Thread-safe."""
+    initial_s to max_s with each failure in a row. Failures reported while the server is
+    already backed off (calls that were under way when it went down) do not double it
+    again: one outage seen by many threads at once is one step. Thread-safe."""
 
     def __init__(self, initial_s: float, max_s: float, clock: Callable[[], float]):
         self._initial, self._max, self._clock = initial_s, max_s, clock
@@ -42,9 +44,12 @@ class Backoff:
 
     def failed(self) -> None:
         with self._lock:
+            now = self._clock()
+            if not self.healthy and now < self.retry_at:
+                return  # the same outage, from another call in flight when it began
             self.healthy = False
             self._wait = min(self._max, max(self._initial, self._wait * 2))
-            self.retry_at = self._clock() + self._wait
+            self.retry_at = now + self._wait
 
     def ok(self) -> None:
         with self._lock:

@@ -161,3 +161,24 @@ def test_a_closed_tier_reports_closed_without_dialling_redis_again(redis_server)
     assert not health.healthy and "closed" in health.detail
     stats = tier.stats()
     assert (stats.healthy, stats.writes, stats.nodes_down) == (False, 1, [])
+
+
+def test_one_outage_seen_by_many_calls_at_once_backs_off_one_step():
+    """Six calls in flight when Redis went down each reported the failure, and the wait
+    doubled six times (0.1 s -> 3.2 s of misses after a short blip); now it is one step, and
+    only a failure after the wait ran out (a probe) doubles it."""
+    from hicache.storage.redis_link import Backoff
+
+    clock = FakeClock()
+    backoff = Backoff(0.1, 10.0, clock)
+    for _ in range(6):
+        backoff.failed()
+    assert backoff.retry_in() == pytest.approx(0.1) and backoff.blocked()
+    clock.now = 0.1  # the wait ran out: a probe fails
+    assert backoff.due()
+    backoff.failed()
+    assert backoff.retry_in() == pytest.approx(0.2)
+    backoff.ok()
+    assert not backoff.blocked() and not backoff.due()
+    backoff.failed()  # a new outage starts again from the first step
+    assert backoff.retry_in() == pytest.approx(0.1)
