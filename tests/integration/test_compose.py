@@ -78,7 +78,7 @@ def test_every_variable_names_a_flag_and_every_command_parses(tmp_path: Path):
     args = cli_parser().parse_args(list(s["engine"]["command"]))
     assert args.command == "demo" and args.sidecar == image["env"]["HICACHE_SOCKET"]
     assert args.page_size == config.service.expected["full"].page_size
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="unrecognized arguments: --hicache-ratoi"):
         parse_args(["--hicache-ratoi", "1"], {})
 
 
