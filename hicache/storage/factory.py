@@ -9,9 +9,12 @@ import threading
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.storage.base import StorageTier, TierIdentity
+
+if TYPE_CHECKING:
+    from hicache.storage.file import FileTier
 
 BACKENDS = ("file", "redis", "redis-cluster", "none")
 _REDIS_OPTIONS = ("url", "timeout_s", "ttl_s", "backoff_initial_s", "backoff_max_s")
@@ -95,7 +98,7 @@ def check_extra(backend: str, extra: Mapping[str, Any], also: tuple[str, ...] = 
 
 # Live file tiers of this process: two pools of one identity (an engine that registers again
 # before its old lease ran out, or two replicas of one model) share the folder's index and cap.
-_FILE_TIERS: weakref.WeakValueDictionary[tuple[Path, TierIdentity, Any, Any, Any], StorageTier] = (
+_FILE_TIERS: weakref.WeakValueDictionary[tuple[Path, TierIdentity, Any, Any, Any], FileTier] = (
     weakref.WeakValueDictionary()
 )
 _FILE_TIERS_LOCK = threading.Lock()
@@ -103,7 +106,8 @@ _FILE_TIERS_LOCK = threading.Lock()
 
 def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) -> StorageTier:
     """A tier of `backend` ("file", "redis" or "none") for `identity`; a file tier for a
-    folder and identity that is already open in this process is shared, not opened twice.
+    folder and identity that is already open in this process is shared, not opened twice
+    (each caller closes it once; the last close releases it).
 
     extra for file: {"dir": PATH, "max_bytes": N, "fsync": true | false | "batch", "read_threads": N};
     for redis: {"url": ...,
@@ -122,7 +126,7 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
         with _FILE_TIERS_LOCK:  # one FileTier (one index, one cap) per folder and identity
             shared = (directory, identity, max_bytes, fsync, readers)
             tier = _FILE_TIERS.get(shared)
-            if tier is None:
+            if tier is None or not tier.share():  # none yet, or its last user closed it
                 tier = FileTier(identity, directory, max_bytes=max_bytes, fsync=fsync, read_threads=readers)
                 _FILE_TIERS[shared] = tier
             return tier

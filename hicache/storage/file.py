@@ -120,6 +120,7 @@ class FileTier(StorageTier):
         self._buffers = threading.local()  # each thread's reused page buffer (batch_read)
         self.read_threads = read_threads
         self._readers = LazyThreads(read_threads, "hicache-file-read")  # batch_read_into's
+        self._users = 1  # share() adds one, close() takes one: the last close releases
         self._make_root()
         # shard folders whose own entry in root is known durable (fsync True: the root is
         # fsynced once after a new one is made, before its first page is acknowledged)
@@ -353,7 +354,25 @@ class FileTier(StorageTier):
             except OSError:
                 pass  # evicted or deleted meanwhile
 
+    def share(self) -> bool:
+        """One more user of this tier (the factory hands one tier to every pool of a folder
+        and identity); close() then releases only once every user has closed. False, and
+        no user added, once it is closed."""
+        with self._lock:
+            if self._users == 0:
+                return False
+            self._users += 1
+            return True
+
     def close(self) -> None:
+        """Release this user's share; the last one persists the read order and stops the
+        reader threads (the tier is unusable afterwards)."""
+        with self._lock:
+            if self._users == 0:
+                return
+            self._users -= 1
+            if self._users:
+                return
         self.persist_recency()
         self._readers.close()
 

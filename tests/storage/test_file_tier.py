@@ -327,3 +327,27 @@ def test_with_fsync_a_new_folder_s_entry_is_made_durable_before_its_first_page_i
     assert synced == [again.root]
     synced.clear()
     assert again.set(key(5000), payload(g, 3)) and synced[0] == again.path_of(key(5000)).parent
+
+
+def test_a_file_tier_shared_by_two_pools_stays_open_until_both_have_closed_it(tmp_path):
+    """Two pools of one identity (an engine registering again before its old lease ran out)
+    share one FileTier; the first pool's close shut its reader threads down under the second
+    (a read then raised "cannot schedule new futures after shutdown", or leaked new threads)."""
+    from hicache.storage.factory import make_tier
+
+    g = GEOMETRIES["mimo_kv"]
+    extra = {"dir": str(tmp_path), "fsync": False}
+    first, second = make_tier("file", extra, identity(g)), make_tier("file", extra, identity(g))
+    assert first is second
+    assert first.batch_set([(key(i), payload(g, i)) for i in range(3)]) == [True] * 3
+    readers = second._readers.get()
+    first.close()  # the old pool goes
+    out = [bytearray(g.page_bytes) for _ in range(3)]
+    assert second.batch_read_into([key(i) for i in range(3)], lambda i: [memoryview(out[i])]) == 3
+    assert [bytes(o) for o in out] == [payload(g, i) for i in range(3)]
+    assert second._readers.get() is readers  # the same threads, not a new set
+    second.close()
+    second.close()  # the last user is gone: idempotent from here
+    third = make_tier("file", extra, identity(g))  # a later pool gets a fresh tier, with the pages
+    assert third is not first and bytes(third.get(key(2))) == payload(g, 2)
+    third.close()
