@@ -21,6 +21,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -234,11 +235,24 @@ static void publish_word(uint32_t *word, uint32_t value) {
     wake_word(word);
 }
 
+/* A 32-bit word value: "O&" converter that refuses what does not fit (PyArg's "I" wraps). */
+static int to_word(PyObject *obj, void *out) {
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred())
+        return 0;
+    if (v < 0 || v > (long long)UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "a progress word holds 0..%lu, got %lld", (unsigned long)UINT32_MAX, v);
+        return 0;
+    }
+    *(uint32_t *)out = (uint32_t)v;
+    return 1;
+}
+
 static PyObject *publish(PyObject *self, PyObject *args) {
     uintptr_t addr;
-    unsigned int value;
+    uint32_t value;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O&I", to_address, &addr, &value))
+    if (!PyArg_ParseTuple(args, "O&O&", to_address, &addr, to_word, &value))
         return NULL;
     if (addr == 0 || addr % 4 != 0)
         return PyErr_Format(PyExc_ValueError, "a progress word needs a non-zero 4-byte aligned address");
@@ -252,17 +266,21 @@ static double now_s(void) {
     return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 
-/* Wait until *word >= target, at most timeout_s seconds (< 0: no limit); returns what it read
- * last. Runs without the GIL. */
+/* Wait until *word >= target, at most timeout_s seconds (< 0 or infinite: no limit); returns
+ * what it read last. Runs without the GIL, sleeping at most a second at a time. */
 static PyObject *wait_progress(PyObject *self, PyObject *args) {
     uintptr_t addr;
-    unsigned int target;
+    uint32_t target;
     double timeout_s;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O&Id", to_address, &addr, &target, &timeout_s))
+    if (!PyArg_ParseTuple(args, "O&O&d", to_address, &addr, to_word, &target, &timeout_s))
         return NULL;
     if (addr == 0 || addr % 4 != 0)
         return PyErr_Format(PyExc_ValueError, "a progress word needs a non-zero 4-byte aligned address");
+    if (isnan(timeout_s))
+        return PyErr_Format(PyExc_ValueError, "timeout_s must be a number of seconds (< 0 or inf: no limit), got nan");
+    if (isinf(timeout_s))
+        timeout_s = -1.0;
     uint32_t *word = (uint32_t *)addr;
     uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     if (seen >= target)
@@ -273,6 +291,8 @@ static PyObject *wait_progress(PyObject *self, PyObject *args) {
         double left = deadline < 0 ? 1.0 : deadline - now_s();
         if (left <= 0)
             break;
+        if (left > 1.0)
+            left = 1.0; /* in range for time_t, and the loop checks again */
 #ifdef __linux__
         struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
         syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, NULL, 0); /* returns at once if *word != seen */

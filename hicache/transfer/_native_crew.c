@@ -11,7 +11,8 @@
  * (24 bits), its piece count and the next piece to take (20 bits each), so that a member that
  * wakes for a job already done cannot take a piece of the next one (its compare-and-swap
  * fails on the generation). A member that has just worked spins for a few microseconds
- * before it sleeps on the futex, so back-to-back transfers find it awake.
+ * before it sleeps on the futex, so back-to-back transfers find it awake; a job's seats
+ * (its threads - 1) keep more of those awake members than it asked for from joining it.
  *
  * One call uses the crew at a time; a call that finds it in use (another thread's transfer,
  * or the copy queue's) starts threads of its own that take its pieces the same way. A forked
@@ -35,6 +36,7 @@ static uint32_t generation; /* bumped per job: the members' futex word */
 static uint64_t claim;      /* generation << 40 | piece count << 20 | next piece to take */
 static Job *job;            /* the posted job, valid while it has a piece not yet done */
 static uint32_t done;       /* pieces of the job done: the caller's futex word */
+static uint32_t seats;      /* members the posted job may still take (its threads - 1) */
 static uint32_t busy;       /* 1 while a call uses the crew */
 static int hired;           /* members started; changed only by the call holding `busy` */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
@@ -109,11 +111,23 @@ static void help(uint32_t gen) {
     }
 }
 
+/* A seat on the posted job: members beyond its threads - 1 (awake from an earlier job that
+ * used more) stay out. A member late for a job may take a seat of the next one and find
+ * nothing to do: that job then has fewer helpers, never more. */
+static int take_seat(void) {
+    uint32_t left = __atomic_load_n(&seats, __ATOMIC_ACQUIRE);
+    while (left > 0)
+        if (__atomic_compare_exchange_n(&seats, &left, left - 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return 1;
+    return 0;
+}
+
 static void *serve(void *arg) {
     uint32_t seen = (uint32_t)(uintptr_t)arg; /* the generation when hired */
     for (;;) {
         seen = await_change(&generation, seen);
-        help(seen);
+        if (take_seat())
+            help(seen);
     }
     return NULL;
 }
@@ -185,6 +199,7 @@ int run_job(Job *j) {
     uint32_t gen = generation + 1;
     __atomic_store_n(&job, j, __ATOMIC_RELAXED); /* published by the release below */
     __atomic_store_n(&done, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&seats, (uint32_t)helpers, __ATOMIC_RELAXED); /* published by the release below */
     __atomic_store_n(&claim, (uint64_t)(gen & GEN_MASK) << (2 * PIECE_BITS) | (uint64_t)j->count << PIECE_BITS,
                      __ATOMIC_RELEASE);
     __atomic_store_n(&generation, gen, __ATOMIC_RELEASE);

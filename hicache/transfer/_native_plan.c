@@ -34,6 +34,8 @@ static Py_ssize_t rows_of(const Py_buffer *view) { return view->ndim == 0 ? 0 : 
 
 /* A new bytearray of n int64s, its data in *out (NULL with an exception). */
 static PyObject *int64_bytearray(Py_ssize_t n, int64_t **out) {
+    if (n < 0 || n > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(int64_t))
+        return PyErr_NoMemory();
     PyObject *ba = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
     if (ba != NULL)
         *out = (int64_t *)PyByteArray_AS_STRING(ba);

@@ -31,6 +31,7 @@ typedef struct {
     Queued *finished;     /* done; their jobs and keep are released with the GIL */
     Py_ssize_t pending;   /* queued or running */
     int closing, running; /* running: the thread is started and not joined */
+    int joining, joined;  /* a close() is joining the thread / has joined it (others wait) */
     pid_t owner;          /* the process that started the thread (a forked child has none) */
     pthread_t thread;
 } CopyQueue;
@@ -80,15 +81,30 @@ static void reap(CopyQueue *q) {
     }
 }
 
-/* Let queued jobs finish and join the thread. Needs the GIL (released while it waits). */
+/* Let queued jobs finish and join the thread. Needs the GIL (released while it waits). One
+ * caller joins; a close() that comes meanwhile waits for that join (joining a thread twice is
+ * undefined, and hung). */
 static void stop(CopyQueue *q) {
     if (q->running && !forked(q)) {
+        int join = !q->joining; /* joining is read and set with the GIL held */
+        q->joining = 1;
         pthread_mutex_lock(&q->lock);
         q->closing = 1;
         pthread_cond_broadcast(&q->wake);
         pthread_mutex_unlock(&q->lock);
         Py_BEGIN_ALLOW_THREADS
-        pthread_join(q->thread, NULL);
+        if (join) {
+            pthread_join(q->thread, NULL);
+            pthread_mutex_lock(&q->lock);
+            q->joined = 1;
+            pthread_cond_broadcast(&q->wake);
+            pthread_mutex_unlock(&q->lock);
+        } else {
+            pthread_mutex_lock(&q->lock);
+            while (!q->joined)
+                pthread_cond_wait(&q->wake, &q->lock);
+            pthread_mutex_unlock(&q->lock);
+        }
         Py_END_ALLOW_THREADS
         q->running = 0;
     }

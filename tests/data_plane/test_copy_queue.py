@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 import time
 import weakref
 
@@ -84,6 +85,25 @@ def test_a_queued_copy_holds_keep_until_it_is_done_and_close_waits_for_it() -> N
     queue.close()  # returns once the copy is done
     assert words.done() == 1 and dst.all()
     assert watch() is None  # released after the copy
+
+
+def test_two_closes_at_once_both_return_once_the_queued_copies_are_done() -> None:
+    """The second close() joined the thread the first was joining (undefined: it hung)."""
+    from hicache.transfer import _native  # type: ignore[attr-defined]
+
+    n = 128 << 20
+    src, dst = np.ones(n, np.uint8), np.zeros(n, np.uint8)
+    words = ProgressWords.private(1)
+    queue = _native.CopyQueue()
+    for _ in range(4):  # long enough that the second close comes while the first one waits
+        queue.submit(*one_copy(dst, src), 1, True, 1, 1 << 20, words.addresses[0], (src, dst))
+    closers = [threading.Thread(target=queue.close, daemon=True) for _ in range(2)]
+    for closer in closers:
+        closer.start()
+    for closer in closers:
+        closer.join(120)
+    assert not any(closer.is_alive() for closer in closers)  # before: the second never returned
+    assert queue.pending() == 0 and words.done() == 1 and dst.all()
 
 
 def test_an_async_reload_starts_and_ends_while_this_thread_keeps_the_gil() -> None:

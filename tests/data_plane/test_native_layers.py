@@ -112,3 +112,20 @@ def test_an_inline_native_reload_says_every_layer_is_ready_and_no_layers_is_a_no
         empty = engine.reload_async([1], [3], layers=[])
         assert empty.wait(30) == 0 and empty.done()  # was ValueError from C: a template of 0 layers
         assert engine.reload([1], [3], layers=[]) == 0
+
+
+def test_progress_word_calls_refuse_values_that_do_not_fit_and_a_nan_timeout() -> None:
+    words = ProgressWords.private(1)
+    address = words.addresses[0]
+    for bad in (-1, 2**32):  # before: wrapped silently (-1 became FAILED; 2**32 a target of 0)
+        with pytest.raises(ValueError, match=f"a progress word holds 0..4294967295, got {bad}"):
+            native.publish(address, bad)
+        with pytest.raises(ValueError, match="a progress word holds"):
+            native.wait_progress(address, bad, 1.0)
+    assert int(words.array[0]) == 0
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds"):
+        native.wait_progress(address, 1, float("nan"))
+    publisher = threading.Timer(0.05, native.publish, (address, 3))
+    publisher.start()
+    assert native.wait_progress(address, 3, float("inf")) == 3  # inf: no limit (was an out-of-range cast)
+    publisher.join()

@@ -108,3 +108,11 @@ def test_planning_does_not_hand_the_gil_to_a_busy_thread():
     assert batch.ends[-1] == len(batch.descs)
     # one hand-off lets the spinner run until it is asked for the GIL back: far more than 1000 loops
     assert during < 1000, f"the spinner ran {during} loops during the planning: the GIL was handed off"
+
+
+def test_merge_refuses_a_layer_count_whose_table_cannot_be_allocated() -> None:
+    """layers = 2**61 + 1 made the table's size wrap to 8 bytes, then wrote past it (segfault)."""
+    from hicache.transfer import _native  # type: ignore[attr-defined]
+
+    with pytest.raises(MemoryError):
+        _native.merge_descriptors(np.zeros((0, 6), np.int64), None, 2**61 + 1, 0)
