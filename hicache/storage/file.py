@@ -2,16 +2,16 @@
 
 Layout: <dir>/<identity qualifier>/<first 2 hex digits of key>/<key hex>.page, each file a
 page in page_format. A write goes to a temporary file in the same folder, is fsynced
-(unless fsync=False), then renamed over the final name, and the folder is fsynced (and,
-the first time a page lands in a new shard folder, the root, whose entry that folder is;
-the root's own entry is fsynced at start): a page
-is acknowledged only once it is complete and durable, and a crash leaves at most a
-temporary file, which the next start deletes. With fsync="batch" (group commit), a batch's
-files are written and renamed without a flush each, then one syncfs of the file system
-makes the data and the renames durable together before the batch is acknowledged: the same
-rule (acknowledged means durable) at one flush per batch; a crash before that flush can
-leave a renamed page without its data, which the start's scan drops (its size) or a read
-refuses (its checksum), never serves. A flush that fails (a folder's fsync, or the batch's
+(unless fsync=False), then renamed over the final name, and the folder is fsynced (the
+first time a page lands in a new shard folder, the root too, which holds that folder's
+entry; the root's own entry is fsynced at start): a page is acknowledged only once it is
+complete and durable, and a crash leaves at most a temporary file, which the next start
+deletes. With fsync="batch" (group commit), a batch's files are written and renamed
+without a flush each, then one syncfs of the file system makes the data and the renames
+durable together before the batch is acknowledged: the same rule (acknowledged means
+durable) at one flush per batch; a crash before that flush can leave a renamed page without
+its data, which the start's scan drops (its size) or a read refuses (its checksum), never
+serves. A flush that fails (a folder's fsync, or the batch's
 syncfs) acknowledges none of the pages it covers: set() returns False for them, and they
 are taken back (deleted, unindexed, watchers told "removed", counted as write failures), so
 a page set() refused is never served. The index (key -> size, in LRU order) lives in
