@@ -51,8 +51,8 @@ def _tls(args: argparse.Namespace) -> ClientTls | None:
     """The TLS options as a ClientTls, None without --tls-ca. Raises ValueError for a
     certificate or server name without --tls-ca, or what ClientTls refuses."""
     if args.tls_ca is None:
-        given = [f for f, v in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
-                                ("--tls-server-name", args.tls_server_name)) if v is not None]  # fmt: skip
+        others = {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-server-name": args.tls_server_name}
+        given = [flag for flag, value in others.items() if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} need --tls-ca (the CA that signed the sidecar's certificate)")
         return None
