@@ -15,7 +15,7 @@ asynchronous one is queued (layered, layered_submit) on a C thread that never ta
 GIL, so a busy Python thread cannot delay its start, and its word alone tells when it is
 done. Transfers below SMALL_BYTES are copied unsorted, their descriptors made from
 a cached page template; below SHARE_MIN_BYTES the calling thread copies them alone, in one C
-call that moves the template to each page itself (copy_small); those of STREAM_MIN_BYTES or
+call that moves the template to each page itself (SmallCopy); those of STREAM_MIN_BYTES or
 more use non-temporal stores.
 
 Without the compiled extension (no C compiler at install time) available() is False and
@@ -142,8 +142,12 @@ def page_template(src: Layout, dst: Layout, page_size: int, layers: tuple[int, .
 
 @dataclass(frozen=True)
 class SmallCopy:
-    """copy_small bound to one (source pool, destination pool, layers): the template and both
-    pools' addresses are looked up once, so that each call is one C call (small_copy)."""
+    """The copy of a transfer below SMALL_BYTES for one (source pool, destination pool,
+    layers), made once (small_copy): each call is one C call without the GIL that moves the
+    cached page template to each page pair, layer by layer, on the calling thread and up to
+    threads - 1 of the copy crew, storing the count of layers done into the word at
+    `progress` (0: none). No descriptors are built in Python. Raises ValueError (nothing
+    copied) for a page outside either pool."""
 
     head: tuple[int, int, int, int, np.ndarray, np.ndarray, np.ndarray]
     layers: int
@@ -160,19 +164,6 @@ def small_copy(src: FlatPool, dst: FlatPool, layers: tuple[int, ...]) -> SmallCo
     t = page_template(src.layout, dst.layout, src.geometry.page_size, layers)
     head = (dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes, t.descs, t.src_stride, t.dst_stride)
     return SmallCopy(head, len(layers))
-
-
-def copy_small(
-    src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int], progress: int = 0, threads: int = 1
-) -> None:
-    """Copy a transfer below SMALL_BYTES in one C call without the GIL: the cached page
-    template moved to each page pair in C, layer by layer, by the calling thread and up to
-    threads - 1 of the copy crew, the count of layers done stored into the word at
-    `progress` (0: none). No descriptors are built in Python. Raises ValueError (nothing
-    copied) for a page outside either pool."""
-    if len(layers) == 0:
-        return
-    small_copy(src, dst, tuple(layers))(plan.src_pages, plan.dst_pages, progress, threads)
 
 
 def small_descriptors(src: FlatPool, dst: FlatPool, plan: TransferPlan, layers: Sequence[int]) -> np.ndarray:

@@ -27,9 +27,8 @@ def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
     ):
         arr = pages  # the common case, without the generic checks' few microseconds
         if arr.size == 1:  # one page: no set, no min or max
-            value = int(arr[0])
-            if not 0 <= value < limit:
-                raise ValueError(f"{name} has page {value} out of range [0, {limit})")
+            if not 0 <= int(arr[0]) < limit:
+                raise _out_of_range(name, int(arr[0]), limit)
             return arr
     else:
         if hasattr(pages, "detach"):  # a torch tensor
@@ -47,8 +46,7 @@ def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
     if arr.size <= SMALL_LIST:  # a few pages: plain Python is faster than numpy's sort
         values = arr.tolist()
         if min(values) < 0 or max(values) >= limit:
-            first = next(v for v in values if not 0 <= v < limit)
-            raise ValueError(f"{name} has page {first} out of range [0, {limit})")
+            raise _out_of_range(name, next(v for v in values if not 0 <= v < limit), limit)
         if len(set(values)) != len(values):
             seen: set[int] = set()
             first = next(v for v in values if v in seen or seen.add(v))  # type: ignore[func-returns-value]
@@ -56,7 +54,7 @@ def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
         return arr
     bad = arr[(arr < 0) | (arr >= limit)]
     if bad.size:
-        raise ValueError(f"{name} has page {int(bad[0])} out of range [0, {limit})")
+        raise _out_of_range(name, int(bad[0]), limit)
     uniq, counts = np.unique(arr, return_counts=True)
     if uniq.size != arr.size:
         raise ValueError(f"{name} has duplicate page {int(uniq[counts > 1][0])}")
@@ -67,7 +65,11 @@ def _check_below(name: str, arr: np.ndarray, limit: int) -> None:
     """Raises ValueError naming the first page of unsigned `arr` that is >= limit, as sent."""
     bad = arr[arr >= limit]
     if bad.size:
-        raise ValueError(f"{name} has page {int(bad[0])} out of range [0, {limit})")
+        raise _out_of_range(name, int(bad[0]), limit)
+
+
+def _out_of_range(name: str, page: int, limit: int) -> ValueError:
+    return ValueError(f"{name} has page {page} out of range [0, {limit})")
 
 
 def _not_integers(name: str, pages: PageList, dtype: np.dtype, limit: int) -> ValueError:
@@ -76,7 +78,7 @@ def _not_integers(name: str, pages: PageList, dtype: np.dtype, limit: int) -> Va
     out of range is named, as sent."""
     if isinstance(pages, Sequence) and all(type(p) is int for p in pages):
         first = next(p for p in pages if not 0 <= p < limit)
-        return ValueError(f"{name} has page {first} out of range [0, {limit})")
+        return _out_of_range(name, first, limit)
     return ValueError(f"{name} must hold integers, got dtype {dtype}")
 
 

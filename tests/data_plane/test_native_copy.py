@@ -284,7 +284,7 @@ def test_copy_small_moves_exactly_the_chosen_pages_and_layers(src_layout, dst_la
             s_pages, d_pages = rng.permutation(10)[:pages], rng.permutation(10)[:pages]
             plan = make_plan(s_pages, 10, d_pages, 10, g.layer_num, layers, ("src", "dst"))
             word[0] = 0
-            native.copy_small(src, dst, plan, plan.layers, word.ctypes.data, threads)
+            native.small_copy(src, dst, plan.layers)(plan.src_pages, plan.dst_pages, word.ctypes.data, threads)
             assert int(word[0]) == len(plan.layers)
             for s_page, d_page in zip(s_pages.tolist(), d_pages.tolist(), strict=True):
                 assert same_page(src, s_page, dst, d_page, list(layers))
@@ -324,7 +324,7 @@ def test_copy_small_refuses_a_page_outside_either_pool_before_copying_anything()
     before = dst.flat.clone()
     past = make_plan([1, 7], 8, [0, 7], 8, g.layer_num)  # destination page 7 of a 4-page pool
     with pytest.raises(ValueError, match="writes past the destination's"):
-        native.copy_small(src, dst, past, past.layers)
+        native.small_copy(src, dst, past.layers)(past.src_pages, past.dst_pages)
     assert torch.equal(dst.flat, before)  # page pair 0 was valid, and not copied either
     t = native.page_template(src.layout, dst.layout, g.page_size, (0, 1))
     args = (dst.flat.data_ptr(), dst.nbytes, src.flat.data_ptr(), src.nbytes, t.descs, t.src_stride, t.dst_stride)
