@@ -123,8 +123,9 @@ class FileTier(StorageTier):
         self._users = 1  # share() adds one, close() takes one: the last close releases
         self._make_root()
         # shard folders whose own entry in root is known durable (fsync True: the root is
-        # fsynced once after a new one is made, before its first page is acknowledged)
-        self._durable_dirs: set[Path] = {sub for sub in self.root.iterdir() if sub.is_dir()}
+        # fsynced once after a new one is made, before its first page is acknowledged); _scan
+        # adds those the root holds at start
+        self._durable_dirs: set[Path] = set()
         self._scan()
 
     def _make_root(self) -> None:
@@ -152,6 +153,7 @@ class FileTier(StorageTier):
         for sub in self.root.iterdir():
             if not sub.is_dir():
                 continue
+            self._durable_dirs.add(sub)  # its entry was in the root when _make_root fsynced it
             for entry in os.scandir(sub):
                 if entry.name.endswith(TMP_SUFFIX):  # a write that was never acknowledged
                     _unlink(entry.path)
