@@ -95,7 +95,11 @@ def test_help_documents_every_flag_with_sglang_names():
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return samples(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+
+
+def samples(body: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(name, labels but pool and namespace) -> value of each sample in a /metrics body."""
     out = {}
     for family in text_string_to_metric_families(body):
         for s in family.samples:
@@ -484,13 +488,7 @@ def test_a_scrape_while_a_pool_closes_does_not_count_it_twice() -> None:
     offloaded = ("hicache_pages_total", (("direction", "device_to_host"), ("group", "full"), ("tier", "host")))
 
     def counted() -> float:
-        body = generate_latest(metrics.registry).decode()
-        for family in text_string_to_metric_families(body):
-            for s in family.samples:
-                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("pool", "namespace")))
-                if (s.name, labels) == offloaded:
-                    return s.value
-        return 0.0
+        return samples(generate_latest(metrics.registry).decode()).get(offloaded, 0.0)
 
     info = register(svc, filled_device(8))
     svc.offload("r1", info.pool_id, keys_for(2), [0, 1])
