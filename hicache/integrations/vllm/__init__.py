@@ -1,8 +1,14 @@
 """hicache as a vLLM KV offloading backend (tested with vLLM 0.33.0):
 
-    --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
-      "kv_connector_extra_config":{"spec_name":"HiCacheOffloadingSpec",
-      "spec_module_path":"hicache.integrations.vllm","target":"unix:///run/hicache/hicache.sock"}}'
+    --kv-transfer-config '{"kv_connector":"HiCacheConnector",
+      "kv_connector_module_path":"hicache.integrations.vllm","kv_role":"kv_both",
+      "kv_load_failure_policy":"recompute",
+      "kv_connector_extra_config":{"target":"unix:///run/hicache/hicache.sock"}}'
+
+HiCacheConnector is vLLM's OffloadingConnector with hicache's spec, and reports a load the
+sidecar could not serve to vLLM's scheduler (connector.py). vLLM's own OffloadingConnector
+with "spec_name":"HiCacheOffloadingSpec","spec_module_path":"hicache.integrations.vllm" works
+too, but a failed load then stops the worker.
 
 Importing this package imports vLLM; without it (or with a vLLM whose offloading interface
 differs) the import fails with an ImportError that says what to install.
@@ -42,12 +48,14 @@ def _check_vllm() -> None:
 
 _check_vllm()
 
+from hicache.integrations.vllm.connector import HiCacheConnector  # noqa: E402
 from hicache.integrations.vllm.manager import HiCacheLoadStoreSpec, HiCacheOffloadingManager  # noqa: E402
 from hicache.integrations.vllm.spec import HiCacheOffloadingSpec  # noqa: E402
 from hicache.integrations.vllm.worker import HiCacheOffloadingWorker  # noqa: E402
 
 __all__ = [
     "TESTED",
+    "HiCacheConnector",
     "HiCacheLoadStoreSpec",
     "HiCacheOffloadingManager",
     "HiCacheOffloadingSpec",

@@ -1,6 +1,7 @@
 """HiCacheOffloadingSpec: the class vLLM's OffloadingSpecFactory loads from
 kv_connector_extra_config {"spec_name": "HiCacheOffloadingSpec",
-"spec_module_path": "hicache.integrations.vllm", "target": ...}.
+"spec_module_path": "hicache.integrations.vllm", "target": ...} (HiCacheConnector sets
+the first two itself).
 
 vLLM builds one in the scheduler process (get_manager) and one per worker rank
 (get_worker). The geometry of each KV-cache group comes from vLLM's own KVCacheSpec of the

@@ -6,7 +6,8 @@ Reload copies straight between vLLM's blocks and the sidecar's host pool. Regist
 when vLLM hands over its KV caches, and any error there stops vLLM's start-up. Transfers run
 on three threads (stores, loads, expedited loads) so that submitting never blocks vLLM's
 step, and an expedited load (which vLLM waits for within the step) never queues behind
-regular loads.
+regular loads. Under HiCacheConnector (connector.py) a failed load is reported to vLLM's
+scheduler instead of as a failed job, which vLLM 0.33's own connector asserts against.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="hicache-store")
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
         self._expedited = ThreadPoolExecutor(1, thread_name_prefix="hicache-load-now")
-        self._jobs: dict[int, Future[TransferResult]] = {}
+        self._jobs: dict[int, Future[tuple[TransferResult, list[int]]]] = {}
+        self._reports_failed_loads = False
+        self._failed_loads: dict[int, list[int]] = {}  # job id -> GPU blocks it did not load
 
     # ---- registration --------------------------------------------------------------------------
     def _register(self, link: GroupLink) -> None:
@@ -146,40 +149,66 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._jobs[job_id] = pool.submit(self._run, job_id, moves, store, ready)
         return True
 
-    def _run(self, job_id: int, moves: list[GroupMoves], store: bool, ready: Any = None) -> TransferResult:
+    def _run(
+        self, job_id: int, moves: list[GroupMoves], store: bool, ready: Any = None
+    ) -> tuple[TransferResult, list[int]]:
         """One job, once vLLM's stream has passed `ready` (a CUDA event recorded at submit:
-        the forward that wrote a store's blocks, or the zeroing of a load's). A store always
-        succeeds towards vLLM (vLLM 0.33 cannot take a failed job, and a page the sidecar did
-        not keep is only a later miss); a load succeeds only when every page arrived."""
-        start, nbytes, ok = time.perf_counter(), 0, True
+        the forward that wrote a store's blocks, or the zeroing of a load's); and, for a load,
+        the GPU blocks it did not fill. A store always succeeds towards vLLM (vLLM 0.33 cannot
+        take a failed job, and a page the sidecar did not keep is only a later miss); a load
+        succeeds only when every page arrived."""
+        start, nbytes, missed = time.perf_counter(), 0, []
+        answered = [0] * len(moves)  # blocks of each group the sidecar has answered for
+        wanted = KEPT if store else LOADED
         try:
             if ready is not None:
                 ready.synchronize()
-            for m in moves:
+            for n, m in enumerate(moves):
                 link = self.links[m.group]
                 for i in range(0, len(m.keys), BATCH):
                     keys, blocks = m.keys[i : i + BATCH], m.blocks[i : i + BATCH]
                     statuses = self._call_pool(link, "offload" if store else "reload", keys, blocks)
-                    good = sum(s in (KEPT if store else LOADED) for s in statuses)
-                    nbytes += good * link.geometry.page_bytes
-                    if good < len(keys):
-                        ok = ok if store else False  # a store that kept fewer pages still succeeds
+                    bad = [b for b, status in zip(blocks, statuses, strict=True) if status not in wanted]
+                    answered[n] = i + len(keys)
+                    nbytes += (len(keys) - len(bad)) * link.geometry.page_bytes
+                    if bad:
+                        missed += bad
                         log.warning(
                             "hicache %s job %d: %d of %d pages not %s",
                             "store" if store else "load",
                             job_id,
-                            len(keys) - good,
+                            len(bad),
                             len(keys),
                             "kept" if store else "loaded",
                         )
         except Exception as exc:
-            ok = store
+            missed += [b for n, m in enumerate(moves) for b in m.blocks[answered[n] :]]
             log.warning("hicache %s job %d failed: %s", "store" if store else "load", job_id, exc)
-        return TransferResult(job_id, ok, nbytes, time.perf_counter() - start)
+        if store:
+            return TransferResult(job_id, True, nbytes, time.perf_counter() - start), []
+        return TransferResult(job_id, not missed, nbytes, time.perf_counter() - start), missed
+
+    def report_failed_loads(self) -> None:
+        """From now on a load that missed pages finishes as a success towards vLLM's
+        connector, and take_failed_loads() names its blocks (HiCacheConnector reports them
+        to vLLM's scheduler)."""
+        self._reports_failed_loads = True
+
+    def take_failed_loads(self) -> dict[int, list[int]]:
+        """The loads among the jobs get_finished() has returned since the last call that did
+        not fill every GPU block: job id -> those blocks."""
+        failed, self._failed_loads = self._failed_loads, {}
+        return failed
 
     def get_finished(self) -> list[TransferResult]:
-        done = [job_id for job_id, f in self._jobs.items() if f.done()]
-        return [self._jobs.pop(job_id).result() for job_id in done]
+        out = []
+        for job_id in [job_id for job_id, f in self._jobs.items() if f.done()]:
+            result, missed = self._jobs.pop(job_id).result()
+            if missed and self._reports_failed_loads:
+                self._failed_loads[job_id] = missed
+                result = TransferResult(job_id, True, result.transfer_size, result.transfer_time)
+            out.append(result)
+        return out
 
     def wait(self, job_ids: set[int]) -> None:
         for job_id in job_ids:

@@ -145,10 +145,10 @@ def test_an_expedited_load_does_not_wait_behind_regular_loads(
     worker = eng.worker
     release = threading.Event()
 
-    def run(job_id: int, moves: Any, store: bool, ready: Any = None) -> TransferResult:
+    def run(job_id: int, moves: Any, store: bool, ready: Any = None) -> tuple[TransferResult, list[int]]:
         if job_id == 1:  # a long regular load
             release.wait(30)
-        return TransferResult(job_id, True, 0, 0.0)
+        return TransferResult(job_id, True, 0, 0.0), []
 
     monkeypatch.setattr(worker, "_run", run)
     try:

@@ -49,22 +49,36 @@ def model_dir(tmp: Path, name: str) -> str:
 
 
 def vllm_config(
-    model: str, target: str, *, rank: int = 0, tp: int = 1, engine_id: str = "engine-a", **extra: Any
+    model: str,
+    target: str,
+    *,
+    rank: int = 0,
+    tp: int = 1,
+    engine_id: str = "engine-a",
+    hicache_connector: bool = False,
+    **extra: Any,
 ) -> Any:
-    """vLLM's VllmConfig for `model` (a folder), with the OffloadingConnector and this spec."""
+    """vLLM's VllmConfig for `model` (a folder), with the OffloadingConnector and this spec
+    (hicache_connector: with HiCacheConnector, as the README configures it)."""
     from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
 
-    connector = {
-        "spec_name": "HiCacheOffloadingSpec",
-        "spec_module_path": "hicache.integrations.vllm",
-        "target": target,
-    }
-    transfer = KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={**connector, **extra},
-        engine_id=engine_id,
-    )
+    if hicache_connector:
+        transfer = KVTransferConfig(
+            kv_connector="HiCacheConnector",
+            kv_connector_module_path="hicache.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"target": target, **extra},
+            engine_id=engine_id,
+        )
+    else:
+        spec = {"spec_name": "HiCacheOffloadingSpec", "spec_module_path": "hicache.integrations.vllm"}
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={**spec, "target": target, **extra},
+            engine_id=engine_id,
+        )
     return VllmConfig(
         model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16"),
         device_config=DeviceConfig(device="cpu"),
@@ -102,6 +116,7 @@ class Engine:
     spec: Any = None
     worker: Any = None
     connector: Any = None  # vLLM's OffloadingConnectorWorker over `worker`
+    kv_connector: Any = None  # the KVConnector (worker role) holding `connector`, if one was made
     offloading_config: Any = None
     _keep: list[Any] = field(default_factory=list)
 
@@ -172,6 +187,21 @@ def start_worker(engine: Engine) -> Engine:
     connector = OffloadingConnectorWorker(engine.spec, engine.vllm_config, engine.kv_cache_config)
     connector.register_kv_caches(engine.kv_caches)
     engine.worker, engine.connector = connector.worker, connector
+    return engine
+
+
+def start_connector(engine: Engine) -> Engine:
+    """What vLLM's worker process does with the configured connector: vLLM's factory makes
+    the KVConnector (worker role) named by the config, which registers the KV caches."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    cls = KVConnectorFactory.get_connector_class(engine.vllm_config.kv_transfer_config)
+    kv_connector = cls(engine.vllm_config, KVConnectorRole.WORKER, engine.kv_cache_config)
+    kv_connector.register_kv_caches(engine.kv_caches)
+    engine.kv_connector, engine.connector = kv_connector, kv_connector.connector_worker
+    engine.spec, engine.worker = kv_connector.connector_worker.spec, kv_connector.connector_worker.worker
+    engine.offloading_config = engine.spec.config
     return engine
 
 
