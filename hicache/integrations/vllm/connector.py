@@ -6,7 +6,9 @@ worker. vLLM's scheduler does have a path for it, which that connector does not 
 request waiting on a load that failed is reported in `failed_recving`, and the blocks of a
 load that ran within the step (a "sync" load) in `get_block_ids_with_load_errors()`; vLLM
 then recomputes them or fails the request, as its `kv_load_failure_policy` says. This
-connector reports failed loads that way and is otherwise vLLM's own:
+connector reports failed loads that way, drops the scheduler's reused lookup answers after
+one (so a recomputed request does not retry the load that failed), and is otherwise vLLM's
+own:
 
     --kv-transfer-config '{"kv_connector":"HiCacheConnector",
       "kv_connector_module_path":"hicache.integrations.vllm","kv_role":"kv_both",
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.outputs import KVConnectorOutput
 
 from hicache.integrations.vllm.worker import HiCacheOffloadingWorker
 
@@ -84,3 +87,15 @@ class HiCacheConnector(OffloadingConnector):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         blocks, self._invalid_blocks = self._invalid_blocks, set()
         return blocks
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler side: after a failed load, the lookup answers this scheduler reuses
+        (lookup_ttl_s) may be what failed, so they are dropped with their pins, and the next
+        lookups ask the sidecar again (a down one answers MISS for retry_s); a recomputed
+        request does not retry the load that just failed."""
+        super().update_connector_output(connector_output)
+        if connector_output.failed_recving or connector_output.invalid_block_ids:
+            assert self.connector_scheduler is not None
+            manager = self.connector_scheduler.manager
+            with manager.lock:
+                manager.reset_cache()

@@ -1,12 +1,14 @@
 """A load the sidecar cannot serve, through HiCacheConnector: vLLM's scheduler hears of it
 (failed_recving for a request waiting on the load, block ids for a load within the step)
 instead of the worker failing vLLM 0.33's assertion. vLLM's own factory makes the connector
-from the documented kv-transfer-config, and vLLM's OffloadingConnectorWorker runs the jobs
-against a live sidecar."""
+from the documented kv-transfer-config, vLLM's OffloadingConnectorWorker runs the jobs
+against a live sidecar, and vLLM's own Scheduler takes the report and recomputes the
+request. The model runner between them is played by the test (no model runs here)."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # 
     OffloadingConnectorMetadata,
     TransferJob,
 )
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult  # noqa: E402
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, make_offload_key  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm_env import (  # noqa: E402
     FIXTURES,
     Engine,
@@ -51,19 +54,30 @@ def connector_engine(tmp: Path, target: str, **kw: Any) -> Engine:
     return start_connector(eng)
 
 
-def step(eng: Engine, loads: dict[int, TransferJob]) -> tuple[Any, set[int], dict[int, int]]:
-    """One step of vLLM's model runner around the connector: bind the metadata, start the
-    loads, wait for them, then read the transfer results, the load errors and the worker
-    metadata, as vLLM's KVConnectorModelRunnerMixin does."""
+def step(
+    eng: Engine, loads: dict[int, TransferJob], metadata: Any = None
+) -> tuple[Any, set[int], dict[int, int], KVConnectorOutput]:
+    """One step of vLLM's model runner around the connector: bind the metadata (the
+    scheduler's, or one holding `loads`), start the loads, wait for them, then read the
+    transfer results, the load errors and the worker metadata, as vLLM's
+    KVConnectorModelRunnerMixin does; and the KVConnectorOutput it would send back."""
     conn = eng.kv_connector
-    conn.bind_connector_metadata(OffloadingConnectorMetadata(load_jobs=loads, store_jobs={}))
+    metadata = metadata or OffloadingConnectorMetadata(load_jobs=loads, store_jobs={})
+    conn.bind_connector_metadata(metadata)
     conn.start_load_kv(None)
-    eng.worker.wait(set(loads))
+    eng.worker.wait(set(metadata.load_jobs))
     results = conn.get_transfer_results(set())
     invalid = conn.get_block_ids_with_load_errors()
     meta = conn.build_connector_worker_meta()
     conn.clear_connector_metadata()
-    return results, invalid, dict(meta.completed_jobs) if meta is not None else {}
+    output = KVConnectorOutput(
+        finished_sending=results.finished_sending,
+        finished_recving=results.finished_recving,
+        failed_recving=results.failed_recving,
+        invalid_block_ids=invalid,
+        kv_connector_worker_meta=meta,
+    )
+    return results, invalid, dict(meta.completed_jobs) if meta is not None else {}, output
 
 
 def gpu(blocks: list[int]) -> GPULoadStoreSpec:
@@ -95,17 +109,17 @@ def test_a_load_whose_sidecar_died_is_reported_per_request_and_per_block(tmp_pat
             src = manager.prepare_load(keys, CTX)
         # a load that works reports nothing
         eng.raw.zero_()
-        results, invalid, done = step(eng, {2: TransferJob("req-ok", src, gpu([7, 8]))})
+        results, invalid, done, _ = step(eng, {2: TransferJob("req-ok", src, gpu([7, 8]))})
         assert (results.finished_recving, results.failed_recving, invalid, done) == ({"req-ok"}, set(), set(), {2: 1})
         assert all(torch.equal(a, b) for a, b in zip(want, blocks_of(eng, [7, 8]), strict=True))
         proc.kill()
         proc.wait(timeout=30)
         # a request waiting on its load: failed (and finished, so vLLM stops waiting on it)
-        results, invalid, done = step(eng, {3: TransferJob("req-a", src, gpu([4, 5]))})
+        results, invalid, done, _ = step(eng, {3: TransferJob("req-a", src, gpu([4, 5]))})
         assert (results.finished_recving, results.failed_recving, invalid) == ({"req-a"}, {"req-a"}, set())
         assert done == {3: 1}  # vLLM's scheduler completes the job (and releases the load's pins)
         # a load its request runs within this step: its blocks, in this step only
-        results, invalid, done = step(eng, {4: TransferJob("req-b", src, gpu([9, 10]), sync=True)})
+        results, invalid, done, _ = step(eng, {4: TransferJob("req-b", src, gpu([9, 10]), sync=True)})
         assert (results.finished_recving, results.failed_recving, invalid, done) == (set(), set(), {9, 10}, {4: 1})
         assert eng.kv_connector.get_block_ids_with_load_errors() == set()
     finally:
@@ -123,7 +137,7 @@ def test_only_the_blocks_whose_pages_are_missing_are_reported(tmp_path: Path, so
         kept, never = chunk_keys(1, seed=1), chunk_keys(1, seed=2)
         assert store(eng, manager, kept, [3], job=1).success
         src = HiCacheLoadStoreSpec(kept + never)  # the second chunk was never stored
-        results, invalid, _ = step(eng, {2: TransferJob("req-c", src, gpu([11, 12]), sync=True)})
+        results, invalid, _, _ = step(eng, {2: TransferJob("req-c", src, gpu([11, 12]), sync=True)})
         assert invalid == {12} and results.failed_recving == set()
         assert torch.equal(blocks_of(eng, [11])[0], blocks_of(eng, [3])[0])
     finally:
@@ -139,3 +153,73 @@ def test_a_spec_other_than_hicaches_is_refused_naming_the_key(tmp_path: Path) ->
     eng = make_engine(vc, [(attention_spec(vc), layer_names(2))])
     with pytest.raises(ValueError, match="spec_name='CPUOffloadingSpec'.*HiCacheConnector runs hicache's own"):
         start_connector(eng)
+
+
+def scheduled_tokens_after_a_load(eng: Engine, sidecar: Any, *, kill: bool) -> int:
+    """vLLM's Scheduler (its connector made by vLLM's factory, scheduler role) meets a
+    64-token prompt whose four blocks the sidecar holds: it schedules their load; the load
+    runs (after killing the sidecar if `kill`); then the tokens it schedules for the
+    request's first forward."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vc = eng.vllm_config
+    vc.cache_config.block_size, vc.cache_config.num_gpu_blocks = 16, eng.kv_cache_config.num_blocks
+    sched = Scheduler(vc, eng.kv_cache_config, StructuredOutputManager(vc), block_size=16)
+    assert isinstance(sched.connector, HiCacheConnector)
+    init_none_hash(sha256)
+    req = Request(
+        "A",
+        list(range(100, 164)),
+        SamplingParams(max_tokens=4),
+        None,
+        block_hasher=get_request_block_hasher(16, sha256),
+    )
+    keys = [make_offload_key(h, 0) for h in req.block_hashes]
+    eng.worker.submit_store(1, gpu([1, 2, 3, 4]), HiCacheLoadStoreSpec(keys))
+    eng.worker.wait({1})
+    assert [r.success for r in eng.worker.get_finished()] == [True]
+    sched.add_request(req)
+    nothing = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+    try:
+        for _ in range(200):  # the first lookups answer RETRY until the lookup thread has asked
+            out = sched.schedule()
+            assert not out.num_scheduled_tokens
+            if out.kv_connector_metadata.load_jobs:
+                break
+            sched.update_from_output(out, nothing)
+            time.sleep(0.02)
+        assert out.kv_connector_metadata.load_jobs and req.status.name == "WAITING_FOR_REMOTE_KVS"
+        if kill:
+            sidecar.kill()
+            sidecar.wait(timeout=30)
+        *_, output = step(eng, {}, out.kv_connector_metadata)
+        sched.update_from_output(out, ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=output))
+        for _ in range(200):  # after a failure, one lookup round: the sidecar is asked again
+            out = sched.schedule()
+            if out.num_scheduled_tokens:
+                return int(out.num_scheduled_tokens["A"])
+            assert not out.kv_connector_metadata.load_jobs, "the failed load was tried again"
+            sched.update_from_output(out, nothing)
+            time.sleep(0.02)
+        raise AssertionError("request A was never scheduled")
+    finally:
+        sched.shutdown()
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["loaded", "sidecar-died"])
+def test_vllms_scheduler_recomputes_a_request_whose_load_failed(tmp_path: Path, sockdir: str, kill: bool) -> None:
+    proc, target = start_sidecar(sockdir, config=FIXTURES / "qwen3_8b.json", page_size=16)
+    eng = connector_engine(tmp_path, target, retry_s=30.0)
+    try:
+        # loaded: 63 tokens come from the sidecar and vLLM computes the last one; failed:
+        # vLLM recomputes all 64 (kv_load_failure_policy "recompute") instead of dying
+        assert scheduled_tokens_after_a_load(eng, proc, kill=kill) == (64 if kill else 1)
+    finally:
+        eng.close()
+        proc.kill()
+        proc.wait(timeout=30)
