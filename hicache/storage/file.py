@@ -405,14 +405,17 @@ class FileTier(StorageTier):
 
     def batch_set(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
         headers = [fmt.encode_header(self.identity, key, data) for key, data in items]  # validates all first
-        if self.max_bytes is not None and items and fmt.stored_size(self.identity, items[0][0]) > self.max_bytes:
-            self._count(write_failures=len(items), no_space=len(items))
-            return [False] * len(items)
+        cap = self.max_bytes
+        too_big = [cap is not None and fmt.stored_size(self.identity, key) > cap for key, _ in items]
+        if any(too_big):  # a page larger than the whole cap (its key is part of its size) is refused
+            self._count(write_failures=sum(too_big), no_space=sum(too_big))
         with self._stats_lock:
             no_space_before = self._counters.no_space
         written: list[tuple[int, Path, Path, os.stat_result]] = []  # (item index, tmp, final, tmp's stat)
         ok = [False] * len(items)
         for i, ((key, data), header) in enumerate(zip(items, headers, strict=True)):
+            if too_big[i]:
+                continue
             final = self.path_of(key)
             tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.{i}{TMP_SUFFIX}")
             if (seen := self._write_tmp(tmp, header, data)) is not None:

@@ -113,6 +113,17 @@ def test_size_cap_lru_and_order_survives_restart(tmp_path):
     assert tiny.set(key(1), payload(g, 1)) is False and tiny.stats().no_space == 1
 
 
+def test_each_page_of_a_batch_is_checked_against_the_cap_by_its_own_size(tmp_path):
+    g = GEOMETRIES["deepseek_mla"]
+    short, long = b"s" * 8, b"l" * 64  # the key is part of a page file's size
+    tier = FileTier(identity(g), tmp_path, max_bytes=fmt.stored_size(identity(g), short))
+    assert tier.batch_set([(long, payload(g, 1)), (short, payload(g, 2))]) == [False, True]
+    assert tier.batch_set([(short, payload(g, 3)), (long, payload(g, 4))]) == [True, False]
+    assert tier.batch_contains([short, long]) == [True, False] and tier.get(short) == payload(g, 3)
+    assert tier.stats().no_space == 2 and tier.stats().evictions == 0
+    tier.check_integrity()
+
+
 def test_disk_full_fails_cleanly_and_is_counted(tmp_path, monkeypatch):
     g = GEOMETRIES["mimo_fp4"]
     tier = FileTier(identity(g), tmp_path)
