@@ -18,7 +18,7 @@ a page set() refused is never served. The index (key -> size, in LRU order) live
 memory and is rebuilt by scanning the folder on start, oldest modification first; a file
 that is not the page file of the key its name spells (another folder, upper-case hex) is
 deleted and counted corrupt. The read order is written to the files' modification times
-every RECENCY_BATCH reads and at close.
+every RECENCY_BATCH reads (on a thread of its own) and at close.
 
 One process owns one (dir, identity) folder (make_tier hands pools of one identity the same
 FileTier); machines share pages through Redis instead.
@@ -117,6 +117,7 @@ class FileTier(StorageTier):
         self._total = 0
         self._disk_full = False  # the last batch hit ENOSPC; cleared by a batch that did not
         self._read_since: OrderedDict[bytes, None] = OrderedDict()  # read, recency not yet on disk
+        self._persister: threading.Thread | None = None  # writes the read order, off the read path
         self._buffers = threading.local()  # each thread's reused page buffer (batch_read)
         self.read_threads = read_threads
         self._readers = LazyThreads(read_threads, "hicache-file-read")  # batch_read_into's
@@ -292,9 +293,11 @@ class FileTier(StorageTier):
                 self._index.move_to_end(key)
                 self._read_since.pop(key, None)
                 self._read_since[key] = None
-            due = len(self._read_since) >= RECENCY_BATCH
-        if due:
-            self.persist_recency()
+            if len(self._read_since) >= RECENCY_BATCH and not (self._persister and self._persister.is_alive()):
+                self._persister = threading.Thread(
+                    target=self.persist_recency, name="hicache-file-recency", daemon=True
+                )
+                self._persister.start()
         self._count(hits=1, bytes_read=self.identity.page_bytes)
         return result
 
@@ -347,7 +350,8 @@ class FileTier(StorageTier):
     def persist_recency(self) -> None:
         """Write the read order kept in memory to the files' modification times (oldest read
         first), so that the LRU order a restart rebuilds from them includes reads. Runs every
-        RECENCY_BATCH reads and at close(), not on every read."""
+        RECENCY_BATCH reads, on a thread of its own (a read that reaches the count does not
+        wait for up to that many utime calls), and at close(); not on every read."""
         with self._lock:
             keys, self._read_since = list(self._read_since), OrderedDict()
         for key in keys:
@@ -375,6 +379,9 @@ class FileTier(StorageTier):
             self._users -= 1
             if self._users:
                 return
+            persister = self._persister
+        if persister is not None:
+            persister.join()  # its reads are older than those left: their mtimes come first
         self.persist_recency()
         self._readers.close()
 

@@ -5,6 +5,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,33 @@ def test_size_cap_lru_and_order_survives_restart(tmp_path):
     assert not third.contains(key(3)) and third.contains(key(0)) and third.contains(key(4))
     tiny = FileTier(identity(g), tmp_path / "tiny", max_bytes=size - 1)  # a page never fits
     assert tiny.set(key(1), payload(g, 1)) is False and tiny.stats().no_space == 1
+
+
+def test_the_read_order_is_written_off_the_read_path_and_completed_at_close(tmp_path, monkeypatch):
+    import hicache.storage.file as file_tier
+
+    g = GEOMETRIES["deepseek_mla"]
+    tier = FileTier(identity(g), tmp_path)
+    for i in range(6):
+        assert tier.set(key(i), payload(g, i))
+    monkeypatch.setattr(file_tier, "RECENCY_BATCH", 4)
+    release, calls, real = threading.Event(), [], os.utime
+
+    def utime(path, *args, **kw):
+        calls.append((threading.get_ident(), path.name))
+        assert release.wait(30)  # a slow disk: the reads below must not wait for it
+        real(path, *args, **kw)
+
+    monkeypatch.setattr(file_tier.os, "utime", utime)
+    for i in (2, 0, 1, 3, 5):  # the 4th read starts the write of 2, 0, 1, 3; 5 waits for close
+        assert tier.get(key(i)) == payload(g, i)
+    release.set()
+    tier.close()  # joins the writer, then writes 5 from here
+    assert [name for _, name in calls] == [tier.path_of(key(i)).name for i in (2, 0, 1, 3, 5)]
+    me = threading.get_ident()
+    assert all(who != me for who, _ in calls[:4]) and calls[4][0] == me
+    mtimes = [tier.path_of(key(i)).stat().st_mtime_ns for i in (2, 0, 1, 3, 5)]
+    assert mtimes == sorted(mtimes) and mtimes[0] > tier.path_of(key(4)).stat().st_mtime_ns
 
 
 def test_each_page_of_a_batch_is_checked_against_the_cap_by_its_own_size(tmp_path):
