@@ -77,9 +77,10 @@ class ServerConfig:
             raise ValueError(f"--workers must be an int >= 2, got {self.workers!r}")
 
     @property
-    def max_event_streams(self) -> int:
-        """KV-event streams served at once: each holds an RPC thread for as long as it is open,
-        so they may take half of the workers and never starve unary calls (or health checks)."""
+    def max_streams(self) -> int:
+        """Streams served at once (KV events, Watch, health Watch; server/streams.py): each
+        holds an RPC thread for as long as it is open, so together they may take half of the
+        workers and never starve unary calls (or health checks)."""
         return self.workers // 2
 
 
@@ -157,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=16,
-        help="RPC threads; KV-event streams (SubscribeEvents) may hold at most half of them",
+        help="RPC threads; streams (SubscribeEvents, Watch, health Watch) may hold at most half of them",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="text, or json: one object a line")

@@ -1,8 +1,8 @@
 """The HiCache gRPC servicer: converts messages and maps the service's errors to status codes.
 
 It holds no logic of its own. ValueError -> INVALID_ARGUMENT, UnknownId -> NOT_FOUND,
-StateError -> FAILED_PRECONDITION, a NoSpace return (or a KV-event stream beyond
-max_event_streams) -> RESOURCE_EXHAUSTED, anything else -> INTERNAL. Authentication is the interceptor's job (server/auth.py).
+StateError -> FAILED_PRECONDITION, a NoSpace return (or a stream beyond the server's
+StreamSlots) -> RESOURCE_EXHAUSTED, anything else -> INTERNAL. Authentication is the interceptor's job (server/auth.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
 from hicache.sidecar.errors import NoSpace, StateError, UnknownId
 from hicache.sidecar.events import Subscription
 from hicache.sidecar.service import HiCacheService
+
+from .streams import StreamSlots
 
 log = logging.getLogger("hicache.server")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -71,12 +73,11 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     secret (RegisterPool's pool_secret) as metadata, or gets PERMISSION_DENIED; stats of all
     pools need the admin token (--admin-token)."""
 
-    def __init__(self, service: HiCacheService, admin_token: str | None = None, max_event_streams: int = 8):
+    def __init__(self, service: HiCacheService, admin_token: str | None = None, streams: StreamSlots | None = None):
         self.service = service
         self.admin_token = admin_token
         self._ending = threading.Event()
-        self.max_event_streams = max_event_streams
-        self._event_streams = threading.Semaphore(max_event_streams)
+        self.streams = streams or StreamSlots(8)
 
     def end_streams(self) -> None:
         """End every SubscribeEvents stream, each after what it has queued (shutdown: the
@@ -230,22 +231,31 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
         try:
             self._own(request.pool_id, context)
-            events = self.service.watch(request.pool_id, request.op_id, cancelled=lambda: not context.is_active())
+            self._take_stream(f"Watch of {request.op_id!r}")
         except Exception as exc:
             abort_for(exc, context)
-        for event in events:
-            yield convert.event_to_pb(request.op_id, event)
+        try:
+            try:
+                events = self.service.watch(request.pool_id, request.op_id, cancelled=lambda: not context.is_active())
+            except Exception as exc:
+                abort_for(exc, context)
+            for event in events:
+                yield convert.event_to_pb(request.op_id, event)
+        finally:
+            self.streams.give_back()
+
+    def _take_stream(self, what: str) -> None:
+        """A slot for a stream that holds an RPC thread until it ends; raises Exhausted
+        (RESOURCE_EXHAUSTED) when every slot is held."""
+        if not self.streams.take():
+            raise Exhausted(self.streams.refusal(what))
 
     def SubscribeEvents(
         self, request: pb.SubscribeEventsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.EventBatch]:
         try:
             self._admin(context, "KV events")
-            if not self._event_streams.acquire(blocking=False):  # an open stream holds an RPC thread
-                raise Exhausted(
-                    f"this sidecar serves at most {self.max_event_streams} KV-event streams at once (half of its "
-                    f"--workers), and they are open: close one, or start the sidecar with more --workers"
-                )
+            self._take_stream("SubscribeEvents")
         except Exception as exc:
             abort_for(exc, context)
         try:
@@ -256,7 +266,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 abort_for(exc, context)
             yield from self._follow(sub, context)
         finally:
-            self._event_streams.release()
+            self.streams.give_back()
 
     def _follow(self, sub: Subscription, context: grpc.ServicerContext) -> Iterator[pb.EventBatch]:
         context.add_callback(sub.close)  # the client went away: stop queueing for it

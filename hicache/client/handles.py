@@ -33,6 +33,9 @@ class ReloadOutcomeUnknown(RuntimeError):
 
 PROBE_S = 1.0  # a wait in the progress slot asks this often whether the sidecar is still there
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)  # probe answers: sidecar gone, pool forgotten
+# A Watch the sidecar refuses (RESOURCE_EXHAUSTED: its streams hold every slot they may) is
+# asked again after a pause that doubles from the first value up to the second
+REFUSED_PAUSE_S, REFUSED_PAUSE_MAX_S = 0.01, 0.5
 
 
 class ProgressSlot:
@@ -55,7 +58,8 @@ class ReloadHandle:
     is on the device. A layer-wise reload with a progress slot (a sidecar on this host with
     the native copy path) is waited on in that shared memory, on a futex, without a message
     per layer; otherwise, or once the slot says the reload failed (or was reused), the
-    handle follows the sidecar's Watch stream in a thread. On a CUDA pool with layer events
+    handle follows the sidecar's Watch stream in a thread (asked again while the sidecar
+    refuses it for want of a stream slot). On a CUDA pool with layer events
     (`stream_wait`), wait_layer(i) makes the caller's current CUDA stream wait for layer i
     on the GPU and returns at once; a failure then surfaces from wait().
 
@@ -163,14 +167,21 @@ class ReloadHandle:
             raise lost from None
 
     def _follow(self, watch: Callable[[], Any]) -> None:
-        try:
-            for msg in watch():
-                self._on_event(convert.event_from_pb(msg))
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                self._forgotten(f"{exc.code().name}: {exc.details()}")
-            else:
-                self._on_event(OpEvent("failed", error=f"{exc.code().name}: {exc.details()}"))
+        pause = REFUSED_PAUSE_S
+        while True:
+            try:
+                for msg in watch():
+                    self._on_event(convert.event_from_pb(msg))
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not self._finished:
+                    time.sleep(pause)  # every stream slot of the sidecar is held: the reload goes on
+                    pause = min(2 * pause, REFUSED_PAUSE_MAX_S)
+                    continue
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    self._forgotten(f"{exc.code().name}: {exc.details()}")
+                else:
+                    self._on_event(OpEvent("failed", error=f"{exc.code().name}: {exc.details()}"))
+            break
         with self._cond:
             if not self._finished:
                 self._finished, self._error = True, self._error or "watch stream ended early"
@@ -180,6 +191,7 @@ class ReloadHandle:
         with self._cond:
             if event.kind == "layer_done":
                 self._layers_done = max(self._layers_done, event.layers_done)
+                self._finished = self._finished or self._layers_done >= self.layer_num
             elif event.kind == "done":
                 self._layers_done, self._finished = self.layer_num, True
             else:
