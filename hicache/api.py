@@ -123,6 +123,7 @@ class PoolStats:
     storage_write_queue: int = 0
     copy_backend: str = ""  # TransferEngine.backend: native | torch | triton
     storage_nodes_down: tuple[str, ...] = ()  # Redis servers / cluster nodes down now (host:port)
+    write_policy: str = ""  # write_through | write_through_selective | write_back
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,7 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
         storage_write_queue=s.storage_write_queue,
         copy_backend=s.copy_backend,
         storage_nodes_down=list(s.storage_nodes_down),
+        write_policy=s.write_policy,
     )
 
 
@@ -179,6 +180,7 @@ def stats_from_pb(m: pb.PoolStats) -> PoolStats:
         m.storage_write_queue,
         m.copy_backend,
         tuple(m.storage_nodes_down),
+        m.write_policy,
     )
 
 

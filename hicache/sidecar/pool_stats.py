@@ -78,4 +78,5 @@ def pool_stats(
         cs["write_queue_depth"],
         copy_backend,
         tuple(st.get("nodes_down") or ()),
+        cache.write_policy,
     )

@@ -44,6 +44,7 @@ def test_health_and_stats_commands(capsys):
             assert pool["pool_id"] == info.pool_id and pool["used_pages"] == 2 and pool["namespace"] == "tenant-a"
             assert pool["tiers"]["host"]["pages"] == 2
             assert pool["copy_backend"] == ("native" if native.available() else "torch")
+            assert pool["write_policy"] == "write_through"  # the server's default --hicache-write-policy
             assert main(["stats", "--target", address, "--admin-token", "adm"]) == 0
             table = capsys.readouterr().out
             assert info.pool_id in table and "2/8" in table

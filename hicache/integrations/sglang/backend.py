@@ -119,15 +119,24 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
     def _check_mla_readers(self, link: PoolLink) -> None:
         """SGLang stores MLA pages from its writer ranks only (tp_rank == dcp_rank), so the
         other ranks can read them only from the sidecar's storage tier; without one they never
-        hit, and SGLang takes the smallest hit over its TP ranks. Raises ValueError."""
+        hit, and SGLang takes the smallest hit over its TP ranks. Raises ValueError; warns when
+        the sidecar's write policy puts pages in storage late."""
         cfg = self.storage_config
         if cfg.tp_size <= getattr(cfg, "dcp_size", 1):
             return  # every rank is a writer
-        backend = self.client.stats(pool=link.pool_id)[0].storage_backend
-        if backend == "none":
+        stats = self.client.stats(pool=link.pool_id)[0]
+        if stats.storage_backend == "none":
             raise ValueError(
                 f"MLA with tp_size {cfg.tp_size} needs a storage tier on the hicache sidecar at {self.options.target} "
                 "(SGLang stores only from rank 0, the other ranks read from storage); it has storage backend 'none'"
+            )
+        if stats.write_policy not in ("write_through", ""):  # "": a sidecar too old to say
+            self._say(
+                "mla:write_policy",
+                f"MLA with tp_size {cfg.tp_size}: the hicache sidecar at {self.options.target} runs "
+                f"--hicache-write-policy {stats.write_policy}, so pages reach its storage tier late (on eviction "
+                "or reuse) and until then the ranks that read them from storage miss, and no prefix hits; "
+                "start it with --hicache-write-policy write_through",
             )
         if getattr(cfg, "attn_cp_size", 1) > 1:
             self._say(

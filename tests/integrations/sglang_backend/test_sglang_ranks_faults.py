@@ -169,6 +169,29 @@ def test_mla_with_reader_ranks_refuses_a_sidecar_without_storage(tmp_path: Path,
         stop(proc)
 
 
+@pytest.mark.parametrize("policy", ["write_back", "write_through_selective", "write_through"])
+def test_mla_with_reader_ranks_warns_of_a_write_policy_that_stores_late(
+    tmp_path: Path, sockdir: str, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    proc, target = sidecar(sockdir, "deepseek_v3", "--tp-size", "2", "--hicache-write-policy", policy)
+    try:
+        name = model_dir(tmp_path, "deepseek_v3")
+        with caplog.at_level("WARNING", logger="hicache.integrations.sglang"):
+            backend = create(
+                storage_config(name, target, layout="page_first", tp=(1, 2), mla=True),
+                mla_host_pool(61, layout="page_first"),
+            )
+        backend.close()
+        late = [r.getMessage() for r in caplog.records if "reach its storage tier late" in r.getMessage()]
+        if policy == "write_through":
+            assert late == []
+        else:
+            assert len(late) == 1 and f"--hicache-write-policy {policy}" in late[0]
+            assert "start it with --hicache-write-policy write_through" in late[0]
+    finally:
+        stop(proc)
+
+
 def test_hybrid_full_and_swa_pools_through_v2(tmp_path: Path, sockdir: str) -> None:
     proc, target = sidecar(sockdir, "mimo_v2_flash")
     try:
