@@ -62,6 +62,7 @@ class ClusterLink:
         self._down = down_errors()
         self._lock = threading.Lock()  # guards _client, _nodes, _node_wires, _refreshed_at
         self._client: Any = None
+        self._closed = False  # close() ran: no client is made again
         self._connect_backoff = make_backoff()
         self._nodes: dict[str, Backoff] = {}  # host:port -> its health, for every node that ever failed
         self._refreshed_at = -REFRESH_EVERY_S
@@ -82,9 +83,10 @@ class ClusterLink:
 
     # ---- topology -----------------------------------------------------------------------------
     def _cluster(self) -> Any:
-        """The RedisCluster client, connecting first if needed (None while unreachable)."""
+        """The RedisCluster client, connecting first if needed (None while unreachable, and
+        once closed)."""
         with self._lock:
-            if self._client is not None:
+            if self._client is not None or self._closed:
                 return self._client
         if self._connect_backoff.blocked():
             return None
@@ -105,10 +107,10 @@ class ClusterLink:
             return None
         self._connect_backoff.ok()
         with self._lock:
-            if self._client is None:
+            if self._client is None and not self._closed:
                 self._client, self._refreshed_at = client, self._clock()
             else:
-                client.close()
+                client.close()  # another thread's connected meanwhile, or close() ran
             return self._client
 
     def _refresh(self) -> None:
@@ -148,7 +150,8 @@ class ClusterLink:
             return []
         client = self._cluster()
         if client is None:
-            return [redis.ConnectionError(f"redis cluster {self.url} unreachable")] * len(commands)
+            why = "closed" if self._closed else "unreachable"
+            return [redis.ConnectionError(f"redis cluster {self.url} {why}")] * len(commands)
         replies: list[Any] = [None] * len(commands)
         by_node: dict[str, tuple[Any, list[int]]] = {}
         stale = False
@@ -292,6 +295,7 @@ class ClusterLink:
     def close(self) -> None:
         self._senders.close()
         with self._lock:
+            self._closed = True
             client, self._client = self._client, None
             wires, self._node_wires = list(self._node_wires.values()), {}
         for w in wires:

@@ -65,6 +65,9 @@ def test_pages_spread_over_every_master(redis_cluster: LocalRedisCluster) -> Non
     assert [read[i] for i in range(300)] == [p for _, p in pages]
     assert tier.stats().nodes_down == [] and tier.health().healthy
     tier.close()
+    link = tier._link
+    assert link.run([("GET", tier.qualified(key(0)))])[0].args == (f"redis cluster {link.url} closed",)
+    assert link._client is None  # a call after close() makes no new client (nothing would close it)
     redis_cluster.flush()
 
 
