@@ -6,24 +6,23 @@ worker. vLLM's scheduler does have a path for it, which that connector does not 
 request waiting on a load that failed is reported in `failed_recving`, and the blocks of a
 load that ran within the step (a "sync" load) in `get_block_ids_with_load_errors()`; vLLM
 then recomputes them or fails the request, as its `kv_load_failure_policy` says. This
-connector reports failed loads that way, drops the scheduler's reused lookup answers after
-one (so a recomputed request does not retry the load that failed), and is otherwise vLLM's
-own:
+connector reports failed loads that way, has the failed chunks answer MISS for retry_s (so
+a recomputed request does not load them again), and is otherwise vLLM's own:
 
     --kv-transfer-config '{"kv_connector":"HiCacheConnector",
       "kv_connector_module_path":"hicache.integrations.vllm","kv_role":"kv_both",
       "kv_load_failure_policy":"recompute",
       "kv_connector_extra_config":{"target":"unix:///run/hicache/hicache.sock"}}'
 
-Limit (vLLM's): block ids are only unique within a KV-cache group, so vLLM's scheduler
-refuses block-level failures for models of several groups (a RuntimeError that stops the
-engine, naming the cause). A failed *sync* load of such a model therefore still stops vLLM
-rather than compute on wrong KV; failed asynchronous loads are reported per request, which
-vLLM accepts for any model.
+Block ids are only unique within a KV-cache group, so vLLM's scheduler stops on block-level
+failures for models of several groups; such a model may not turn on sync loads
+(sync_load_budget_bytes, off by default), and its failed loads, all asynchronous, are
+reported per request, which vLLM accepts for any model.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
@@ -35,6 +34,7 @@ from hicache.integrations.vllm.worker import HiCacheOffloadingWorker
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("hicache.integrations.vllm")
 SPEC = {"spec_name": "HiCacheOffloadingSpec", "spec_module_path": "hicache.integrations.vllm"}
 
 
@@ -47,8 +47,22 @@ class HiCacheConnector(OffloadingConnector):  # type: ignore[misc]
                     f"kv_connector_extra_config {key}={extra[key]!r}: HiCacheConnector runs hicache's own "
                     f"offloading spec ({value!r}); leave {key} out, or use vLLM's OffloadingConnector"
                 )
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        if groups > 1 and int(extra.get("sync_load_budget_bytes") or 0) > 0:
+            raise ValueError(
+                f"kv_connector_extra_config sync_load_budget_bytes={extra['sync_load_budget_bytes']!r}: this "
+                f"model has {groups} KV-cache groups, for which vLLM cannot take a failed load within the step "
+                "(its scheduler stops on block-level failures); leave sync_load_budget_bytes out (0)"
+            )
         super().__init__(vllm_config, role, kv_cache_config)
         self._invalid_blocks: set[int] = set()
+        policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+            log.warning(
+                "hicache: kv_load_failure_policy is %r, so a request whose load from the sidecar fails ends "
+                'with an error; set "kv_load_failure_policy":"recompute" to compute it instead',
+                policy,
+            )
 
     @property
     def _hicache_worker(self) -> HiCacheOffloadingWorker:
@@ -89,13 +103,18 @@ class HiCacheConnector(OffloadingConnector):  # type: ignore[misc]
         return blocks
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Scheduler side: after a failed load, the lookup answers this scheduler reuses
-        (lookup_ttl_s) may be what failed, so they are dropped with their pins, and the next
-        lookups ask the sidecar again (a down one answers MISS for retry_s); a recomputed
-        request does not retry the load that just failed."""
+        """Scheduler side: the chunks of a failed load answer MISS for retry_s (the lookup
+        answers reused for lookup_ttl_s may be what failed), so a recomputed request does
+        not load them again; after a failed sync load, whose request is not known here,
+        every lookup does."""
+        failed, invalid = connector_output.failed_recving, connector_output.invalid_block_ids
+        if not (failed or invalid):
+            super().update_connector_output(connector_output)
+            return
+        assert self.connector_scheduler is not None
+        manager = self.connector_scheduler.manager
+        with manager.lock:  # before vLLM completes the loads (and they are forgotten)
+            keys = manager.loading(failed or ())
         super().update_connector_output(connector_output)
-        if connector_output.failed_recving or connector_output.invalid_block_ids:
-            assert self.connector_scheduler is not None
-            manager = self.connector_scheduler.manager
-            with manager.lock:
-                manager.reset_cache()
+        with manager.lock:
+            manager.load_failed(None if invalid else keys)

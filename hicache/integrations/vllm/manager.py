@@ -324,6 +324,28 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
             events, self._events = self._events, []
             yield from events
 
+    def loading(self, req_ids: Collection[str]) -> list[bytes]:
+        """The chunk keys of the loads prepared for `req_ids` and not completed yet. Called
+        with the lock held."""
+        return [k for (rid, keys) in self._loads for k in keys if rid in req_ids]
+
+    def load_failed(self, keys: Collection[bytes] | None) -> None:
+        """A load of `keys` failed (None: of keys not known here). Their answers, reused for
+        lookup_ttl_s, may be what failed: they answer MISS for retry_s instead (every lookup
+        does, for None), so vLLM computes those tokens rather than load them again and fail
+        again. Called with the lock held."""
+        if keys is None:
+            self._fail("load", RuntimeError("a worker could not load its blocks"))
+            self.reset_cache()
+            return
+        until = time.monotonic() + self.options.retry_s
+        for key in keys:
+            self._known[key] = (LookupResult.MISS, until)
+            pins = self._held.pop(key, None)
+            if pins is not None:
+                self._drop(pins)
+        self._flush()
+
     def reset_cache(self) -> None:
         self._known.clear()
         self._pending.clear()

@@ -147,6 +147,27 @@ def test_only_the_blocks_whose_pages_are_missing_are_reported(tmp_path: Path, so
         proc.wait(timeout=60)
 
 
+def test_sync_loads_are_refused_for_a_model_of_several_groups(tmp_path: Path) -> None:
+    """vLLM's scheduler stops on a failed sync load of such a model (block ids are per group)."""
+    vc = vllm_config(model_dir(tmp_path, "qwen3_8b"), "unix:///nowhere.sock", hicache_connector=True)
+    vc.kv_transfer_config.kv_connector_extra_config["sync_load_budget_bytes"] = 1 << 20
+    spec = attention_spec(vc)
+    eng = make_engine(vc, [(spec, layer_names(2)), (spec, layer_names(2, [2, 3]))])
+    with pytest.raises(ValueError, match="sync_load_budget_bytes=1048576: this model has 2 KV-cache groups"):
+        start_connector(eng)
+
+
+def test_a_policy_that_fails_requests_is_warned_of(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vc = vllm_config(model_dir(tmp_path, "qwen3_8b"), "unix:///nowhere.sock", hicache_connector=True)
+    vc.kv_transfer_config.kv_load_failure_policy = "fail"
+    eng = make_engine(vc, [(attention_spec(vc), layer_names(2))])
+    with caplog.at_level("WARNING", logger="hicache.integrations.vllm"):
+        HiCacheConnector(vc, KVConnectorRole.SCHEDULER, eng.kv_cache_config).shutdown()
+    assert any("kv_load_failure_policy is 'fail'" in r.getMessage() for r in caplog.records)
+
+
 def test_a_spec_other_than_hicaches_is_refused_naming_the_key(tmp_path: Path) -> None:
     vc = vllm_config(model_dir(tmp_path, "qwen3_8b"), "unix:///nowhere.sock", hicache_connector=True)
     vc.kv_transfer_config.kv_connector_extra_config["spec_name"] = "CPUOffloadingSpec"
@@ -155,11 +176,11 @@ def test_a_spec_other_than_hicaches_is_refused_naming_the_key(tmp_path: Path) ->
         start_connector(eng)
 
 
-def scheduled_tokens_after_a_load(eng: Engine, sidecar: Any, *, kill: bool) -> int:
+def scheduled_tokens_after_a_load(eng: Engine, sidecar: Any, *, fault: str) -> int:
     """vLLM's Scheduler (its connector made by vLLM's factory, scheduler role) meets a
     64-token prompt whose four blocks the sidecar holds: it schedules their load; the load
-    runs (after killing the sidecar if `kill`); then the tokens it schedules for the
-    request's first forward."""
+    runs (after killing the sidecar for fault "sidecar-died", with one Reload call failing
+    for "reload-failed"); then the tokens it schedules for the request's first forward."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -194,9 +215,17 @@ def scheduled_tokens_after_a_load(eng: Engine, sidecar: Any, *, kill: bool) -> i
             sched.update_from_output(out, nothing)
             time.sleep(0.02)
         assert out.kv_connector_metadata.load_jobs and req.status.name == "WAITING_FOR_REMOTE_KVS"
-        if kill:
+        if fault == "sidecar-died":
             sidecar.kill()
             sidecar.wait(timeout=30)
+        elif fault == "reload-failed":  # the sidecar stays up and keeps the pages
+            real = eng.worker.client.reload
+
+            def fail_once(*args: Any, **kw: Any) -> Any:
+                eng.worker.client.reload = real
+                raise RuntimeError("injected: the Reload call failed")
+
+            eng.worker.client.reload = fail_once
         *_, output = step(eng, {}, out.kv_connector_metadata)
         sched.update_from_output(out, ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=output))
         for _ in range(200):  # after a failure, one lookup round: the sidecar is asked again
@@ -211,14 +240,15 @@ def scheduled_tokens_after_a_load(eng: Engine, sidecar: Any, *, kill: bool) -> i
         sched.shutdown()
 
 
-@pytest.mark.parametrize("kill", [False, True], ids=["loaded", "sidecar-died"])
-def test_vllms_scheduler_recomputes_a_request_whose_load_failed(tmp_path: Path, sockdir: str, kill: bool) -> None:
+@pytest.mark.parametrize("fault", ["none", "sidecar-died", "reload-failed"])
+def test_vllms_scheduler_recomputes_a_request_whose_load_failed(tmp_path: Path, sockdir: str, fault: str) -> None:
     proc, target = start_sidecar(sockdir, config=FIXTURES / "qwen3_8b.json", page_size=16)
     eng = connector_engine(tmp_path, target, retry_s=30.0)
     try:
         # loaded: 63 tokens come from the sidecar and vLLM computes the last one; failed:
-        # vLLM recomputes all 64 (kv_load_failure_policy "recompute") instead of dying
-        assert scheduled_tokens_after_a_load(eng, proc, kill=kill) == (64 if kill else 1)
+        # vLLM recomputes all 64 (kv_load_failure_policy "recompute") instead of dying, and
+        # does not load the chunks again though the sidecar still answers HIT for them
+        assert scheduled_tokens_after_a_load(eng, proc, fault=fault) == (1 if fault == "none" else 64)
     finally:
         eng.close()
         proc.kill()
