@@ -164,18 +164,13 @@ class HealthService(health.HealthServicer):
     """grpc's health service with end_watches(): on shutdown it ends every open Watch stream
     (after its last answer, NOT_SERVING), which would otherwise hold the server all its grace."""
 
-    def __init__(self, streams: StreamSlots | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self._watches_lock = threading.Lock()
         self._watches: set[Callable[[], None]] = set()
         self._ending = False
-        self._streams = streams or StreamSlots(8)
 
     def Watch(self, request: Any, context: grpc.ServicerContext, send_response_callback: Any = None) -> Any:
-        if not self._streams.take():  # its stream holds an RPC thread, as the service's streams do
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._streams.refusal("health Watch"))
-        if not context.add_callback(self._streams.give_back):  # the call has ended already
-            self._streams.give_back()
         stream = super().Watch(request, context, send_response_callback)
         # the blocking form returns its stream; the other one ends when sent None
         end = stream.close if stream is not None else functools.partial(send_response_callback, None)
@@ -237,10 +232,10 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
     ]
     executor = futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="hicache-rpc")
     server = grpc.server(executor, interceptors=interceptors, options=options)
-    streams = StreamSlots(config.max_streams)
+    streams = StreamSlots(config.max_streams, config.max_event_streams)
     servicer = HiCacheServicer(service, config.admin_token, streams)
     add_servicer(servicer, server)  # undecodable requests: INVALID_ARGUMENT
-    health_servicer = HealthService(streams)
+    health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     for name in ("", SERVICE_NAME):  # until the first storage check has answered

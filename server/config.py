@@ -77,11 +77,16 @@ class ServerConfig:
             raise ValueError(f"--workers must be an int >= 2, got {self.workers!r}")
 
     @property
-    def max_streams(self) -> int:
-        """Streams served at once (KV events, Watch, health Watch; server/streams.py): each
-        holds an RPC thread for as long as it is open, so together they may take half of the
-        workers and never starve unary calls (or health checks)."""
+    def max_event_streams(self) -> int:
+        """KV-event streams served at once: each holds an RPC thread for as long as it is
+        open, so they may take half of the workers (server/streams.py)."""
         return self.workers // 2
+
+    @property
+    def max_streams(self) -> int:
+        """Streams of every kind (KV events, an operation's Watch) served at once: all the
+        workers but a quarter (at least one), which unary calls and health checks keep."""
+        return self.workers - max(1, self.workers // 4)
 
 
 def check_tls(listen: str | None, cert: str | None, key: str | None, client_ca: str | None) -> None:
@@ -158,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=16,
-        help="RPC threads; streams (SubscribeEvents, Watch, health Watch) may hold at most half of them",
+        help="RPC threads; KV-event streams may hold half of them, streams in all (with Watch) all but a quarter",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="text, or json: one object a line")

@@ -77,7 +77,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         self.service = service
         self.admin_token = admin_token
         self._ending = threading.Event()
-        self.streams = streams or StreamSlots(8)
+        self.streams = streams or StreamSlots(12, 8)
 
     def end_streams(self) -> None:
         """End every SubscribeEvents stream, each after what it has queued (shutdown: the
@@ -231,7 +231,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
         try:
             self._own(request.pool_id, context)
-            self._take_stream(f"Watch of {request.op_id!r}")
+            self._take_stream(f"Watch of {request.op_id!r}", events=False)
         except Exception as exc:
             abort_for(exc, context)
         try:
@@ -242,12 +242,12 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             for event in events:
                 yield convert.event_to_pb(request.op_id, event)
         finally:
-            self.streams.give_back()
+            self.streams.give_back(events=False)
 
-    def _take_stream(self, what: str) -> None:
+    def _take_stream(self, what: str, *, events: bool) -> None:
         """A slot for a stream that holds an RPC thread until it ends; raises Exhausted
-        (RESOURCE_EXHAUSTED) when every slot is held."""
-        if not self.streams.take():
+        (RESOURCE_EXHAUSTED) when none is left for it."""
+        if not self.streams.take(events=events):
             raise Exhausted(self.streams.refusal(what))
 
     def SubscribeEvents(
@@ -255,7 +255,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     ) -> Iterator[pb.EventBatch]:
         try:
             self._admin(context, "KV events")
-            self._take_stream("SubscribeEvents")
+            self._take_stream("SubscribeEvents", events=True)
         except Exception as exc:
             abort_for(exc, context)
         try:
@@ -266,7 +266,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 abort_for(exc, context)
             yield from self._follow(sub, context)
         finally:
-            self.streams.give_back()
+            self.streams.give_back(events=True)
 
     def _follow(self, sub: Subscription, context: grpc.ServicerContext) -> Iterator[pb.EventBatch]:
         context.add_callback(sub.close)  # the client went away: stop queueing for it

@@ -173,7 +173,9 @@ class ReloadHandle:
                 for msg in watch():
                     self._on_event(convert.event_from_pb(msg))
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not self._finished:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    if self._finished:  # seen done meanwhile (the progress slot): nothing to learn
+                        break
                     time.sleep(pause)  # every stream slot of the sidecar is held: the reload goes on
                     pause = min(2 * pause, REFUSED_PAUSE_MAX_S)
                     continue

@@ -207,17 +207,22 @@ class ClusterLink:
                 replies[i] = reply
             return any(isinstance(r, self._down) for r in out)
 
-        if len(jobs) == 1:
-            return one(*jobs[0])
+        if len(jobs) == 1 or self._closed:  # closed: no sender threads are made again
+            return any([one(node, idx) for node, idx in jobs])
         senders = self._senders.get()
         futures = [senders.submit(one, node, idx) for node, idx in jobs]
         wait(futures)  # every node done before returning: replies land in the caller's buffers
         return any([f.result() for f in futures])
 
     def _wires(self, client: Any, node: Any) -> Wires:
-        """The connections to `node`, made by its redis-py client (remade if that changed)."""
+        """The connections to `node`, made by its redis-py client (remade if that changed).
+        Raises redis.ConnectionError once the link is closed (close() would not see new ones)."""
+        import redis
+
         conn = node.redis_connection or client.get_redis_connection(node)
         with self._lock:
+            if self._closed:
+                raise redis.ConnectionError(f"redis cluster {self.url} closed")
             wires = self._node_wires.get(node.name)
             if wires is not None and wires.client is conn:
                 return wires
@@ -247,6 +252,8 @@ class ClusterLink:
     def health(self) -> TierHealth:
         client = self._cluster()
         if client is None:
+            if self._closed:
+                return TierHealth(False, f"redis cluster {self.url} closed")
             return TierHealth(
                 False, f"redis cluster {self.url} unreachable; retry in {self._connect_backoff.retry_in():.2f}s"
             )
@@ -293,9 +300,10 @@ class ClusterLink:
             return sorted(name for name, b in self._nodes.items() if not b.healthy)
 
     def close(self) -> None:
+        with self._lock:  # first: a call in flight then makes no new threads or connections
+            self._closed = True
         self._senders.close()
         with self._lock:
-            self._closed = True
             client, self._client = self._client, None
             wires, self._node_wires = list(self._node_wires.values()), {}
         for w in wires:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 import torch
 from sidecar_util import filled_device, keys_for, mimo_geometries, pages_of
 
-from hicache.api import KeyStatus, TransferResult
+from hicache.api import KeyStatus, OpEvent, TransferResult
 from hicache.client import HiCacheClient
 from hicache.client.handles import ProgressSlot, ReloadHandle
 from hicache.rpc.generated import hicache_pb2 as pb
@@ -143,6 +144,34 @@ def test_a_reused_slot_falls_back_to_watch() -> None:
             break
         time.sleep(0.01)
     assert polled.done() and watched == [1, 1]
+
+
+class Refused(grpc.RpcError):
+    """What the stub raises when the sidecar refuses a Watch for want of a stream slot."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self) -> str:
+        return "every stream slot is held"
+
+
+def test_a_refused_watch_of_a_reload_seen_done_meanwhile_records_no_failure() -> None:
+    result = TransferResult((KeyStatus.LOADED,), 10, "op-2", False)
+    made, calls = threading.Event(), []
+
+    def watch() -> Any:
+        calls.append(1)
+        assert made.wait(10)
+        handle._on_event(OpEvent("done"))  # the progress slot saw the end while Watch was refused
+        raise Refused()
+
+    handle = ReloadHandle(result, 2, watch)
+    made.set()
+    handle.wait(10)
+    time.sleep(0.2)  # room for a wrong retry, or a "failed" recorded late
+    handle.wait(10)  # no "failed" from the refusal
+    assert handle.done() and calls == [1]  # and no Watch asked again
 
 
 def test_slots_are_handed_out_oldest_first_with_new_generations() -> None:

@@ -34,9 +34,9 @@ def test_bad_start_up_values_are_refused_naming_them(argv: list[str], env: dict[
 
 def test_workers_come_from_the_flag_or_its_variable_and_set_the_event_stream_limit() -> None:
     config, _ = parse_args(["--socket", "/tmp/never.sock", "--workers", "32"], environ={})
-    assert (config.workers, config.max_streams) == (32, 16)
+    assert (config.workers, config.max_event_streams, config.max_streams) == (32, 16, 24)
     config, _ = parse_args(["--socket", "/tmp/never.sock"], environ={"HICACHE_WORKERS": "6"})
-    assert (config.workers, config.max_streams) == (6, 3)
+    assert (config.workers, config.max_event_streams, config.max_streams) == (6, 3, 5)
 
 
 @pytest.mark.skipif(cuda_available(), reason="this host has CUDA: the kernel backend is valid here")

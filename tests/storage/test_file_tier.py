@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import held_by_another_thread, in_forked_child
+from helpers import eventually, held_by_another_thread, in_forked_child
 from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, identity, key, payload
 
 from hicache.storage import page_format as fmt
@@ -130,8 +130,10 @@ def test_the_read_order_is_written_off_the_read_path_and_completed_at_close(tmp_
         real(path, *args, **kw)
 
     monkeypatch.setattr(file_tier.os, "utime", utime)
-    for i in (2, 0, 1, 3, 5):  # the 4th read starts the write of 2, 0, 1, 3; 5 waits for close
+    for i in (2, 0, 1, 3):  # the 4th read starts the write of 2, 0, 1, 3
         assert tier.get(key(i)) == payload(g, i)
+    eventually(lambda: len(calls) == 1, what="the writer's first utime")  # it has taken its keys
+    assert tier.get(key(5)) == payload(g, 5)  # read while the writer waits: left for close
     release.set()
     tier.close()  # joins the writer, then writes 5 from here
     assert [name for _, name in calls] == [tier.path_of(key(i)).name for i in (2, 0, 1, 3, 5)]

@@ -64,10 +64,15 @@ def test_pages_spread_over_every_master(redis_cluster: LocalRedisCluster) -> Non
     assert tier.batch_read([k for k, _ in pages], lambda i, data: read.__setitem__(i, bytes(data))) == 300
     assert [read[i] for i in range(300)] == [p for _, p in pages]
     assert tier.stats().nodes_down == [] and tier.health().healthy
-    tier.close()
     link = tier._link
-    assert link.run([("GET", tier.qualified(key(0)))])[0].args == (f"redis cluster {link.url} closed",)
+    client = link._cluster()  # a call in flight across close() holds the client it started with
+    node = client.nodes_manager.get_node_from_slot(0)
+    tier.close()
+    closed = f"redis cluster {link.url} closed"
+    assert link.run([("GET", tier.qualified(key(0)))])[0].args == (closed,)
     assert link._client is None  # a call after close() makes no new client (nothing would close it)
+    assert [r.args for r in link._pipeline(client, node, [("GET", b"k")], False)] == [(closed,)]
+    assert link._node_wires == {} and link.health().detail == closed  # and no new connections
     redis_cluster.flush()
 
 
