@@ -4,7 +4,6 @@ slows the data path; events need the admin token."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -471,51 +470,3 @@ def test_a_pool_registered_while_a_subscriber_takes_its_snapshot_is_announced_on
         svc.close()
         first_dev.close()
         second_dev.close()
-
-
-def test_kv_event_streams_take_at_most_half_the_workers_so_unary_calls_and_health_still_answer() -> None:
-    """Each open stream holds an RPC thread: with 4 workers, 2 streams are served and a third
-    is refused (RESOURCE_EXHAUSTED naming the limit) instead of taking the threads health
-    checks and engines need; once one stream ends, a new one is served."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    d = tempfile.mkdtemp(prefix="hc")
-    config = ServerConfig(socket=os.path.join(d, "hc.sock"), admin_token=ADMIN, workers=4, grace_s=0)
-    assert config.max_event_streams == 2
-    srv, address = create_server(config)
-    clients = [HiCacheClient(address, admin_token=ADMIN, timeout=30) for _ in range(4)]
-
-    def follow(client: HiCacheClient) -> threading.Thread:
-        def drain() -> None:
-            with contextlib.suppress(HiCacheRpcError):  # UNAVAILABLE once its client or the server closes
-                for _ in client.events(snapshot=False):
-                    pass
-
-        thread = threading.Thread(target=drain, daemon=True)
-        thread.start()
-        return thread
-
-    followers = [follow(clients[0]), follow(clients[1])]
-    try:
-        eventually(lambda: srv.service.events.subscribers == 2, what="two event streams")
-        with pytest.raises(HiCacheRpcError) as refused:
-            next(clients[2].events(snapshot=False))
-        assert refused.value.code.name == "RESOURCE_EXHAUSTED"
-        assert "SubscribeEvents: this sidecar serves at most 2 KV-event streams and 3 streams in all" in (
-            refused.value.details
-        )
-        with grpc.insecure_channel(address) as channel:  # the threads left still answer
-            check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
-            assert check.status in (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING)
-        assert clients[3].stats(all_pools=True) == []
-        clients[0].close()  # ends its stream: the server takes a new one
-        followers[0].join(30)
-        eventually(lambda: srv.service.events.subscribers == 1, what="the first stream's end")
-        follow(clients[2])
-        eventually(lambda: srv.service.events.subscribers == 2, what="a new stream")
-    finally:
-        srv.stop(0)
-        for client in clients:
-            client.close()
-        shutil.rmtree(d, ignore_errors=True)

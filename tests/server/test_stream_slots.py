@@ -107,6 +107,10 @@ def test_event_subscribers_never_take_the_threads_watch_and_health_need() -> Non
             watching.cancel()
             assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status
         assert engine.lookup(keys_for(2, seed=2)).prefix_length == 2
+        subscribers[0].close()  # ends its stream: the server takes a new one
+        eventually(lambda: srv.service.events.subscribers == 1, what="the first stream's end")
+        subscribe(subscribers[2])
+        eventually(lambda: srv.service.events.subscribers == 2, what="a new stream")
     finally:
         srv.stop(0)
         engine.close()
