@@ -73,11 +73,11 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     secret (RegisterPool's pool_secret) as metadata, or gets PERMISSION_DENIED; stats of all
     pools need the admin token (--admin-token)."""
 
-    def __init__(self, service: HiCacheService, admin_token: str | None = None, streams: StreamSlots | None = None):
+    def __init__(self, service: HiCacheService, admin_token: str | None, streams: StreamSlots):
         self.service = service
         self.admin_token = admin_token
         self._ending = threading.Event()
-        self.streams = streams or StreamSlots(12, 8)
+        self.streams = streams  # the server's, sized from --workers (ServerConfig.max_streams)
 
     def end_streams(self) -> None:
         """End every SubscribeEvents stream, each after what it has queued (shutdown: the
