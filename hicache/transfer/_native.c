@@ -112,12 +112,16 @@ static void copy_row(char *d, const char *s, size_t n, int streaming) {
 /* Where a group's rows leave gaps in the source (a page_first page read one layer at a time:
  * a few KB of each token's row, then a jump), each source row is prefetched this many rows
  * ahead: the hardware prefetcher starts over after every jump. benchmarks/transfer.py,
- * page_first, 2-core VM, alternating runs: layer-wise over plain reload 1.52-1.56 -> 1.27-1.31. */
+ * page_first, 2-core VM, alternating runs: layer-wise over plain reload 1.52-1.56 -> 1.27-1.31.
+ * Into L2, not L1 (locality 2, prefetcht1 on x86): four rows of 2.5 KB ahead are 160 lines,
+ * more misses than L1 keeps in flight, so prefetches into L1 held back the copy's own loads
+ * (2-core AMD EPYC VM: layer-wise over plain 1.66-1.80 -> 1.34, on one copy thread 50 -> 36 ms
+ * for 377 MB). */
 #define PREFETCH_ROWS 4
 
 static void prefetch_row(const char *s, size_t n) {
     for (size_t i = 0; i < n; i += 64)
-        __builtin_prefetch(s + i, 0, 3);
+        __builtin_prefetch(s + i, 0, 2);
 }
 
 /* Descriptors go in groups of `group`; within a group, row r of every descriptor is copied
