@@ -27,7 +27,7 @@ from hicache.geometry import model_geometries
 from hicache.hf_config import load_model_config
 from hicache.integrations.sglang.link import PoolLink, page_numbers
 from hicache.integrations.sglang.options import Options
-from hicache.integrations.sglang.pool_views import flat_page_views, geometry_of, stage_geometry
+from hicache.integrations.sglang.pool_views import flat_page_views, fp8_setting, geometry_of, stage_geometry
 
 log = logging.getLogger("hicache.integrations.sglang")
 GROUPS = {"kv": "full", "swa": "swa"}  # SGLang host pool name -> hicache KV group
@@ -64,14 +64,15 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
         cfg, opts = self.storage_config, self.options
         mla = bool(cfg.is_mla_model)
         config = load_model_config(cfg.model_name, opts.model_config)
-        geometry = geometry_of(host_pool)
+        kv_dtype = fp8_setting(opts.kv_cache_dtype, sglang_kv_cache_dtype())
+        geometry = geometry_of(host_pool, kv_cache_dtype=kv_dtype)
         if config is not None:  # the model's layer ids for this group (this PP stage's), and a cross-check
             tp = 1 if mla else cfg.tp_size
             want = model_geometries(config, tp_size=tp, page_size=geometry.page_size, dtype=geometry.dtype)
             if group not in want:
                 raise ValueError(f"SGLang host pool {name!r}: the model config has no {group!r} group")
             stage = stage_geometry(host_pool, want[group])
-            geometry = geometry_of(host_pool, layer_ids=stage.layer_ids)
+            geometry = geometry_of(host_pool, layer_ids=stage.layer_ids, kv_cache_dtype=kv_dtype)
             differ = stage.diff(geometry)
             if differ:
                 mine, theirs = geometry.to_dict(), stage.to_dict()
@@ -305,3 +306,15 @@ def mla_shard(cfg: HiCacheStorageConfig) -> str:
     if getattr(cfg, "dcp_size", 1) > 1:
         out += f"|dcp{cfg.dcp_rank}of{cfg.dcp_size}|page{cfg.logical_page_size}"
     return out
+
+
+def sglang_kv_cache_dtype() -> str | None:
+    """SGLang's --kv-cache-dtype as its runtime settings hold it in the scheduler process
+    (sglang.srt.runtime_context); None where they are not published."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        value = get_model().kv_cache_dtype
+    except (ImportError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None

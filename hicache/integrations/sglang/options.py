@@ -7,6 +7,8 @@ from typing import Any
 
 from hicache.integrations.options import adapter_options
 
+FP8_SETTING_NAMES = ("fp8_e4m3", "fp8_e5m2")  # SGLang's --kv-cache-dtype names of the fp8 formats
+
 # Keys SGLang itself reads from the same JSON (loader, controller, allocator); passed over.
 SGLANG_KEYS = frozenset(
     {
@@ -35,7 +37,8 @@ class Options:
     sends 128). timeout_s: each call's deadline, and how long start-up waits for the sidecar.
     copy: "auto" (direct when SGLang's host pool is in memfds, "allocator": "shm", and the
     sidecar is on a Unix socket; else staging), "direct" (refuse to start otherwise) or
-    "staging"."""
+    "staging". kv_cache_dtype: which fp8 SGLang's uint8 KV cache holds ("fp8_e4m3" or
+    "fp8_e5m2", as its --kv-cache-dtype; default: read from SGLang's runtime settings)."""
 
     target: str
     token: str | None = None
@@ -45,6 +48,7 @@ class Options:
     staging_pages: int = 128
     timeout_s: float = 10.0
     copy: str = "auto"
+    kv_cache_dtype: str | None = None
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> Options:
@@ -63,4 +67,7 @@ class Options:
             raise ValueError(f"extra config 'staging_pages' must be an int >= 1, got {pages!r}")
         if mine.get("copy", "auto") not in ("auto", "direct", "staging"):
             raise ValueError(f"extra config 'copy' must be 'auto', 'direct' or 'staging', got {mine['copy']!r}")
+        fp8 = mine.get("kv_cache_dtype")
+        if fp8 is not None and fp8 not in FP8_SETTING_NAMES:
+            raise ValueError(f"extra config 'kv_cache_dtype' must be one of {list(FP8_SETTING_NAMES)}, got {fp8!r}")
         return cls(**mine)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hicache.geometry import KVGeometry
+from hicache.integrations.sglang.options import FP8_SETTING_NAMES
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 _DTYPES = {
@@ -27,8 +28,10 @@ _DTYPES = {
     torch.float32: "float32",
     torch.float8_e4m3fn: "float8_e4m3fn",
     torch.float8_e5m2: "float8_e5m2",
-    torch.uint8: "float8_e4m3fn",  # SGLang keeps fp8 e4m3 caches as uint8 storage
 }
+# SGLang keeps every fp8 cache in uint8 storage, so a uint8 pool's format comes from SGLang's
+# --kv-cache-dtype ("auto" is uint8 only for an FP8 checkpoint, whose cache is e4m3)
+_FP8_SETTINGS = {"auto": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 LayerViews = list[tuple[torch.Tensor, torch.Tensor | None]]
 
 
@@ -93,15 +96,56 @@ def flat_page_views(pool: Any, flat: torch.Tensor) -> LayerViews:
     return [(pick(kk, i), None if vv is None else pick(vv, i)) for i in range(layers)]
 
 
-def geometry_of(pool: Any, *, layer_ids: tuple[int, ...] | None = None) -> KVGeometry:
-    """The KVGeometry of SGLang host pool `pool` (its own fields: heads, head dims or MLA
-    widths, layers, page size, dtype). layer_ids: the model's layer ids of this pool's layers
-    (default start_layer .. end_layer). Raises ValueError for what hicache cannot hold."""
-    check_layout(pool)
-    dtype = _DTYPES.get(pool.dtype)
+def fp8_setting(option: str | None, sglang: str | None) -> str | None:
+    """Which --kv-cache-dtype names a uint8 pool's fp8 format: the adapter's `option`, else
+    SGLang's own setting `sglang` (None where neither is known). Raises ValueError when both
+    are known fp8 settings of different formats."""
+    if option is None:
+        return sglang
+    if sglang in _FP8_SETTINGS and _FP8_SETTINGS[sglang] != _FP8_SETTINGS[option]:
+        raise ValueError(
+            f"extra config 'kv_cache_dtype' {option!r} names another fp8 format than SGLang's "
+            f"--kv-cache-dtype {sglang!r} ({_FP8_SETTINGS[sglang]})"
+        )
+    return option
+
+
+def uint8_dtype(kv_cache_dtype: str | None) -> str:
+    """The hicache dtype of a uint8 SGLang pool: which fp8 it holds, from SGLang's
+    --kv-cache-dtype setting (None: unknown). Raises ValueError where that is unknown or not an
+    fp8 format hicache holds: taking e4m3 for e5m2 (or ROCm's e4m3fnuz) would decode every
+    page wrongly, with no error."""
+    if torch.version.hip:
+        raise ValueError("SGLang on ROCm stores fp8 KV caches as float8_e4m3fnuz, which hicache does not hold")
+    if kv_cache_dtype is None:
+        raise ValueError(
+            "SGLang's host pool stores an fp8 KV cache as uint8, and which fp8 it is (e4m3 or e5m2) "
+            f"is unknown here: set 'kv_cache_dtype' (one of {list(FP8_SETTING_NAMES)}) in "
+            "--hicache-storage-backend-extra-config, as SGLang's --kv-cache-dtype"
+        )
+    dtype = _FP8_SETTINGS.get(kv_cache_dtype)
     if dtype is None:
         raise ValueError(
-            f"SGLang host pool dtype {pool.dtype} is not one hicache stores; expected one of {list(_DTYPES)}"
+            f"SGLang's host pool stores uint8 with --kv-cache-dtype {kv_cache_dtype!r}; hicache holds uint8 "
+            f"pools of {list(FP8_SETTING_NAMES)} only"
+        )
+    return dtype
+
+
+def geometry_of(
+    pool: Any, *, layer_ids: tuple[int, ...] | None = None, kv_cache_dtype: str | None = None
+) -> KVGeometry:
+    """The KVGeometry of SGLang host pool `pool` (its own fields: heads, head dims or MLA
+    widths, layers, page size, dtype). layer_ids: the model's layer ids of this pool's layers
+    (default start_layer .. end_layer). kv_cache_dtype: SGLang's --kv-cache-dtype, which names
+    the fp8 format of a uint8 pool (see uint8_dtype). Raises ValueError for what hicache
+    cannot hold."""
+    check_layout(pool)
+    dtype = uint8_dtype(kv_cache_dtype) if pool.dtype == torch.uint8 else _DTYPES.get(pool.dtype)
+    if dtype is None:
+        raise ValueError(
+            f"SGLang host pool dtype {pool.dtype} is not one hicache stores; expected one of "
+            f"{[*_DTYPES, torch.uint8]} (uint8: fp8)"
         )
     start = getattr(pool, "start_layer", 0) or 0
     ids = layer_ids if layer_ids is not None else tuple(range(start, start + pool.layer_num))

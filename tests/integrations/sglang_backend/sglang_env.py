@@ -88,18 +88,21 @@ def mha_host_pool(
     page: int = 16,
     allocator: str = "default",
     start_layer: int = 0,
+    dtype: str = "bfloat16",
 ) -> Any:
     """A real SGLang MHA host pool (get_mha_host_pool_cls picks the K != V class) on CPU;
     allocator "shm" puts it in memfds, as SGLang's "allocator": "shm" extra config does.
     start_layer: the model layer of its first layer (a pipeline stage's; SGLang's end_layer
-    is then start_layer + layers)."""
+    is then start_layer + layers). dtype: the device pool's storage dtype (SGLang stores fp8
+    caches as "uint8")."""
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 
     dev_tokens = 4 * page
-    k = tuple(torch.zeros(dev_tokens + page, heads, k_dim, dtype=torch.bfloat16) for _ in range(layers))
-    v = tuple(torch.zeros(dev_tokens + page, heads, v_dim, dtype=torch.bfloat16) for _ in range(layers))
+    store = getattr(torch, dtype)
+    k = tuple(torch.zeros(dev_tokens + page, heads, k_dim, dtype=store) for _ in range(layers))
+    v = tuple(torch.zeros(dev_tokens + page, heads, v_dim, dtype=store) for _ in range(layers))
 
     def ptrs(ts: tuple[Any, ...]) -> Any:
         return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
@@ -110,7 +113,7 @@ def mha_host_pool(
         head_num=heads,
         head_dim=k_dim,
         v_head_dim=v_dim,
-        dtype=torch.bfloat16,
+        dtype=store,
         device=torch.device("cpu"),
     )
     cls = get_mha_host_pool_cls(info)
