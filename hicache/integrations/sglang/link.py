@@ -89,11 +89,13 @@ class PoolLink:
         return info.pool_id, info.host_pages
 
     def relink(self, stale: str) -> None:
-        """Register again after the sidecar forgot pool `stale` (it restarted)."""
+        """Register again after the sidecar forgot pool `stale` (it restarted). The client
+        forgets `stale` only once that succeeded: if it fails, calls still name `stale`, get
+        NOT_FOUND from the sidecar and come here again."""
         with self._lock:
             if self.pool_id == stale:
-                self.client.forget(stale)  # or the client would keep its secret and renew its lease
                 self.pool_id, self.host_pages = self._register()
+                self.client.forget(stale)  # or the client would keep its secret and renew its lease
                 log.warning("hicache sidecar lost pool %s (restarted?); registered again as %s", stale, self.pool_id)
 
     def call(self, fn: Any) -> Any:

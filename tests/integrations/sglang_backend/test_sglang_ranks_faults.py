@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from sglang_env import require_sglang
 
@@ -34,6 +35,7 @@ from sglang_env import (  # noqa: E402
 from sidecar_util import start_sidecar  # noqa: E402
 from test_sglang_backend import alloc, mimo_full, pages_of, stop, wait_stored  # noqa: E402
 
+from hicache.client import HiCacheRpcError  # noqa: E402
 from hicache.geometry import model_geometries  # noqa: E402
 
 
@@ -265,6 +267,50 @@ def test_sidecar_down_then_restarted_gives_misses_never_exceptions(
         backend.close()
     finally:
         stop(proc)
+
+
+def test_a_failed_re_registration_is_tried_again_by_any_call(tmp_path: Path, sockdir: str) -> None:
+    proc, target = sidecar(sockdir, "mimo_v2_flash")
+    try:
+        pool = mimo_full("page_first")
+        cfg = storage_config(model_dir(tmp_path, "mimo_v2_flash"), target, layout="page_first", timeout_s=30)
+        backend = create(cfg, pool)
+        link = backend.links["kv"]
+        stale = link.pool_id
+        proc = restart(proc, sockdir)
+        register, fails = link._register, [1]
+
+        def flaky() -> tuple[str, int]:  # the restarted sidecar refuses the first re-registration
+            if fails:
+                fails.pop()
+                raise HiCacheRpcError(grpc.StatusCode.UNAVAILABLE, "flapped", "RegisterPool")
+            return register()
+
+        link._register = flaky  # type: ignore[method-assign]
+        keys = keys_for(list(range(16)))
+        deadline = time.monotonic() + 60
+        while fails:  # misses until the new sidecar serves; its NOT_FOUND re-registers, which fails
+            assert backend.batch_exists(keys) == 0
+            assert time.monotonic() < deadline, "the adapter never found the restarted sidecar"
+            time.sleep(0.05)
+        assert link.pool_id == stale
+        # a store (not only a lookup) finds the pool forgotten and registers again
+        src = alloc(pool, 1)
+        deadline = time.monotonic() + 30
+        while backend.batch_set_v1(keys, src) != [True]:
+            assert time.monotonic() < deadline, "stores never re-registered the pool"
+            time.sleep(0.05)
+        assert link.pool_id != stale
+        backend.close()
+    finally:
+        stop(proc)
+
+
+def restart(proc: Any, sockdir: str) -> Any:
+    """Kill the sidecar and start another on the same socket (it forgets every pool)."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return sidecar(sockdir, "mimo_v2_flash")[0]
 
 
 def test_a_geometry_mismatch_fails_start_up_naming_the_field(tmp_path: Path, sockdir: str) -> None:
