@@ -42,6 +42,8 @@ class Connection:
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._stop = threading.Event()
         self._keepalive: threading.Thread | None = None
+        self._lease_s = 0.0  # the lease keep_alive renews within (the latest registration's)
+        self._wake = threading.Event()  # the renew thread's: stop, or a new lease
 
     def call(
         self,
@@ -78,12 +80,21 @@ class Connection:
 
     def keep_alive(self, pools: Callable[[], Iterable[tuple[str, str]]], lease_s: float) -> None:
         """Start (once) a thread that renews the leases of pools() ((pool id, secret) pairs)
-        every lease_s / 3."""
+        every lease_s / 3, where lease_s is the one the latest registration was given (a
+        restarted sidecar may lease for less)."""
+        if lease_s != self._lease_s:
+            self._lease_s = lease_s
+            if self._keepalive is not None:
+                self._wake.set()  # a thread sleeping out the old period renews now, then by the new one
         if self._keepalive is not None:
             return
 
         def renew() -> None:
-            while not self._stop.wait(max(0.05, lease_s / 3)):
+            while True:
+                self._wake.wait(max(0.05, self._lease_s / 3))
+                if self._stop.is_set():
+                    return
+                self._wake.clear()
                 for pool_id, secret in list(pools()):
                     try:
                         self.stub.KeepAlive(
@@ -93,13 +104,16 @@ class Connection:
                         )
                     except grpc.RpcError:
                         pass  # the next call reports the problem
+                    except ValueError:  # the channel was closed meanwhile (close())
+                        return
 
         self._keepalive = threading.Thread(target=renew, daemon=True, name="hicache-keepalive")
         self._keepalive.start()
 
     def stop_keep_alive(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     def close(self) -> None:
-        self._stop.set()
+        self.stop_keep_alive()
         self._channel.close()

@@ -183,6 +183,8 @@ class ReloadHandle:
                     self._forgotten(f"{exc.code().name}: {exc.details()}")
                 else:
                     self._on_event(OpEvent("failed", error=f"{exc.code().name}: {exc.details()}"))
+            except Exception as exc:  # e.g. the client's channel closed: waits must not hang
+                self._on_event(OpEvent("failed", error=f"following the reload failed: {exc!r}"))
             break
         with self._cond:
             if not self._finished:

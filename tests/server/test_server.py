@@ -273,6 +273,41 @@ def test_silent_client_lease_expires_and_host_memory_is_released(sockdir):
     dev.close()
 
 
+def test_keep_alive_follows_a_restarted_sidecars_shorter_lease(sockdir):
+    srv, address = start(sockdir, lease_timeout_s=9.0)
+    dev = filled_device(4)
+    client = HiCacheClient(address, timeout=5)
+    try:
+        old = client.register(dev, group="full")  # keep-alive now renews every 3 s
+        srv.stop(0)
+        srv, _ = start(sockdir, lease_timeout_s=1.0)  # restarted: it forgot the pool, leases for 1 s
+        client.forget(old)
+        pool = client.register(dev, group="full")
+        assert pool.lease_timeout_s == 1.0
+        time.sleep(3.5)  # an idle engine: only keep-alive renews the lease
+        assert srv.service.pool_ids == [pool.pool_id]
+        assert client.lookup(keys_for(1), pool=pool).prefix_length == 0
+    finally:
+        client.close()
+        srv.stop(0)
+        dev.close()
+
+
+def test_a_reload_handle_whose_watch_cannot_start_finishes_failed():
+    from hicache.api import TransferResult
+    from hicache.client.handles import ReloadHandle
+
+    channel = grpc.insecure_channel("unix:///nonexistent/hc.sock")
+    stub = pb_grpc.HiCacheStub(channel)
+    channel.close()  # the client was closed: a Watch raises ValueError, not an RpcError
+    handle = ReloadHandle(
+        TransferResult((), 0, "op-1", False), 4, lambda: stub.Watch(pb.WatchRequest(pool_id="p", op_id="op-1"))
+    )
+    with pytest.raises(RuntimeError, match="following the reload failed: ValueError"):
+        handle.wait(timeout=30)  # it hung (timeout None: for ever) when the watch thread died
+    assert handle.done()
+
+
 def test_the_reaper_closes_fds_that_no_registration_claimed(sockdir):
     # an engine that sent fds and died: no other engine sends or claims fds after it
     service = HiCacheService(ServiceConfig(), fds=FdStore(ttl_s=-1))  # every fd expired at once
