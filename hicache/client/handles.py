@@ -179,6 +179,15 @@ class ReloadHandle:
                     time.sleep(pause)  # every stream slot of the sidecar is held: the reload goes on
                     pause = min(2 * pause, REFUSED_PAUSE_MAX_S)
                     continue
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._probe is not None and not self._finished:
+                    # the stream's deadline passed, not the reload's: a copy still running must
+                    # not be reported failed (its pages could be reused under it); ask again
+                    # while the sidecar answers a probe (one that is gone marks the handle lost)
+                    try:
+                        self._check_sidecar()
+                    except HiCacheRpcError:
+                        break
+                    continue
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     self._forgotten(f"{exc.code().name}: {exc.details()}")
                 else:

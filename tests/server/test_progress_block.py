@@ -19,7 +19,7 @@ import torch
 from sidecar_util import filled_device, keys_for, mimo_geometries, pages_of
 
 from hicache.api import KeyStatus, OpEvent, TransferResult
-from hicache.client import HiCacheClient
+from hicache.client import HiCacheClient, HiCacheRpcError
 from hicache.client.handles import ProgressSlot, ReloadHandle
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.sidecar.config import ServiceConfig
@@ -188,3 +188,43 @@ def test_slots_are_handed_out_oldest_first_with_new_generations() -> None:
         assert not c[2].array.any()  # zeroed for its new reload
     finally:
         block.close()
+
+
+class PastDeadline(grpc.RpcError):
+    """What the stub raises when a Watch stream outlives the client's timeout."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return "Deadline Exceeded"
+
+
+def test_a_watch_past_its_deadline_is_asked_again_while_the_sidecar_answers() -> None:
+    result = TransferResult((KeyStatus.LOADED,), 10, "op-3", False)
+    calls, probes = [], []
+
+    def watch() -> Any:  # a reload longer than the stream's deadline: the first stream ends first
+        calls.append(1)
+        if len(calls) == 1:
+            raise PastDeadline()
+        yield pb.WatchEvent(kind=pb.WatchEvent.KIND_DONE, layers_done=2, layer_num=2)
+
+    handle = ReloadHandle(result, 2, watch, probe=lambda: probes.append(1))
+    handle.wait(10)  # done, not "failed": it was reported failed while the copy went on
+    assert handle.done() and calls == [1, 1] and probes == [1]
+
+
+def test_a_watch_past_its_deadline_of_a_lost_sidecar_raises_that() -> None:
+    result = TransferResult((KeyStatus.LOADED,), 10, "op-4", False)
+
+    def watch() -> Any:
+        raise PastDeadline()
+
+    def probe() -> None:
+        raise HiCacheRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+    handle = ReloadHandle(result, 2, watch, probe=probe)
+    with pytest.raises(HiCacheRpcError, match="sidecar is lost: connection refused"):
+        handle.wait(10)
+    assert handle.done()
