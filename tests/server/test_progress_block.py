@@ -146,14 +146,22 @@ def test_a_reused_slot_falls_back_to_watch() -> None:
     assert polled.done() and watched == [1, 1]
 
 
-class Refused(grpc.RpcError):
-    """What the stub raises when the sidecar refuses a Watch for want of a stream slot."""
+class StubError(grpc.RpcError):
+    """What the stub raises for a failed Watch (the status code and details gRPC gives)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self._code, self._details = code, details
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
+        return self._code
 
     def details(self) -> str:
-        return "every stream slot is held"
+        return self._details
+
+
+REFUSED = (grpc.StatusCode.RESOURCE_EXHAUSTED, "every stream slot is held")  # for want of a stream slot
+PAST_DEADLINE = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")  # the stream outlived the timeout
 
 
 def test_a_refused_watch_of_a_reload_seen_done_meanwhile_records_no_failure() -> None:
@@ -164,7 +172,7 @@ def test_a_refused_watch_of_a_reload_seen_done_meanwhile_records_no_failure() ->
         calls.append(1)
         assert made.wait(10)
         handle._on_event(OpEvent("done"))  # the progress slot saw the end while Watch was refused
-        raise Refused()
+        raise StubError(*REFUSED)
 
     handle = ReloadHandle(result, 2, watch)
     made.set()
@@ -190,16 +198,6 @@ def test_slots_are_handed_out_oldest_first_with_new_generations() -> None:
         block.close()
 
 
-class PastDeadline(grpc.RpcError):
-    """What the stub raises when a Watch stream outlives the client's timeout."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-
-    def details(self) -> str:
-        return "Deadline Exceeded"
-
-
 def test_a_watch_past_its_deadline_is_asked_again_while_the_sidecar_answers() -> None:
     result = TransferResult((KeyStatus.LOADED,), 10, "op-3", False)
     calls, probes = [], []
@@ -207,7 +205,7 @@ def test_a_watch_past_its_deadline_is_asked_again_while_the_sidecar_answers() ->
     def watch() -> Any:  # a reload longer than the stream's deadline: the first stream ends first
         calls.append(1)
         if len(calls) == 1:
-            raise PastDeadline()
+            raise StubError(*PAST_DEADLINE)
         yield pb.WatchEvent(kind=pb.WatchEvent.KIND_DONE, layers_done=2, layer_num=2)
 
     handle = ReloadHandle(result, 2, watch, probe=lambda: probes.append(1))
@@ -219,7 +217,7 @@ def test_a_watch_past_its_deadline_of_a_lost_sidecar_raises_that() -> None:
     result = TransferResult((KeyStatus.LOADED,), 10, "op-4", False)
 
     def watch() -> Any:
-        raise PastDeadline()
+        raise StubError(*PAST_DEADLINE)
 
     def probe() -> None:
         raise HiCacheRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")

@@ -283,7 +283,7 @@ def test_a_failed_re_registration_is_tried_again_by_any_call(tmp_path: Path, soc
         def flaky() -> tuple[str, int]:  # the restarted sidecar refuses the first re-registration
             if fails:
                 fails.pop()
-                raise HiCacheRpcError(grpc.StatusCode.UNAVAILABLE, "flapped", "RegisterPool")
+                raise HiCacheRpcError(grpc.StatusCode.UNAVAILABLE, "flapped")
             return register()
 
         link._register = flaky  # type: ignore[method-assign]
