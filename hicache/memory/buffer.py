@@ -6,7 +6,7 @@ import fcntl
 import os
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from hicache.validate import is_int
@@ -26,6 +26,9 @@ class MemoryHandle:
     name: str = ""  # shm segment name; for "fd", the comma-separated ids of the sent fds
     ipc_handle: bytes = b""  # cudaIpcMemHandle_t bytes
     offset: int = 0  # bytes from the allocation base
+    # kind "shm": the secret that shows the holder made the segment (see memory.shm.owns_shm);
+    # "" in handles of segments opened by name. Never logged.
+    proof: str = field(default="", repr=False)
 
 
 class SharedBuffer:

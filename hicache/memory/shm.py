@@ -1,8 +1,10 @@
 """POSIX shared memory: segments under /dev/shm (mode 0600, unpredictable names), created,
 mapped by name in another process, and unlinked on close, at exit and on SIGTERM.
 
-A segment's name says who made it: hicache-<pid namespace>-<pid>-<start time>-<96 random
-bits>. A process killed with SIGKILL cannot unlink its segments, so sweep_dead_segments()
+A segment's name says who made it: hicache-<pid namespace>-<pid>-<start time>-<tag>, where
+the tag is 96 bits of a hash of the name's head and a 128-bit proof that only the creating
+process holds (MemoryHandle.proof). Presenting the proof shows that the caller made the
+segment: the sidecar maps a segment an engine names only with it (owns_shm). A process killed with SIGKILL cannot unlink its segments, so sweep_dead_segments()
 (run by the sidecar at start-up and at each registration) removes those whose owner, in
 this pid namespace, is gone; owners in other pid namespaces (other containers sharing the
 IPC namespace) are never judged.
@@ -13,6 +15,8 @@ finalizers and SIGTERM handler, and must leave the parent's live segments alone.
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import logging
 import os
 import re
@@ -46,7 +50,8 @@ def create_shm(nbytes: int, committed: Sequence[tuple[int, int]] | None = None) 
     check_nbytes(nbytes)
     spans = [(0, nbytes)] if committed is None else list(committed)
     ns, pid, start = _owner()
-    name = f"{SHM_PREFIX}{ns}-{pid}-{start}-{secrets.token_hex(12)}"
+    head, proof = f"{SHM_PREFIX}{ns}-{pid}-{start}", secrets.token_hex(16)
+    name = f"{head}-{_tag(head, proof)}"
     path = os.path.join(shm_dir(), name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -71,7 +76,23 @@ def create_shm(nbytes: int, committed: Sequence[tuple[int, int]] | None = None) 
     except BaseException:
         _release_segment(path, creator)
         raise
-    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: _release_segment(path, creator))
+    handle = MemoryHandle("shm", nbytes, name=name, proof=proof)
+    return SharedBuffer(tensor, handle, lambda: _release_segment(path, creator))
+
+
+def _tag(head: str, proof: str) -> str:
+    return hashlib.sha256(f"hicache-shm-proof\0{head}\0{proof}".encode()).hexdigest()[:24]
+
+
+def owns_shm(name: str, proof: str) -> bool:
+    """Whether `proof` is the proof of the segment named `name`: the caller made it with
+    create_shm (or was handed the proof by the process that did). Reads no file, so the
+    answer says nothing about which segments exist."""
+    m = _OWNED_RE.match(name) if isinstance(name, str) else None
+    if m is None or not isinstance(proof, str) or not proof:
+        return False
+    head, tag = name.rsplit("-", 1)
+    return hmac.compare_digest(tag, _tag(head, proof))
 
 
 def _pid_namespace() -> int:

@@ -66,13 +66,21 @@ def memory_to_pb(h: MemoryHandle, cuda_device: int = 0) -> pb.MemoryHandle:
         cuda_ipc_handle=h.ipc_handle,
         offset=h.offset,
         cuda_device=cuda_device,
+        proof=h.proof,
     )
 
 
 def memory_from_pb(msg: pb.MemoryHandle) -> MemoryHandle:
     if msg.kind not in ("shm", "cuda_ipc", "fd"):
         raise ValueError(f"device memory kind must be 'shm', 'cuda_ipc' or 'fd', got {msg.kind!r}")
-    return MemoryHandle(msg.kind, msg.nbytes, name=msg.shm_name, ipc_handle=msg.cuda_ipc_handle, offset=msg.offset)  # type: ignore[arg-type]
+    return MemoryHandle(
+        msg.kind,  # type: ignore[arg-type]
+        msg.nbytes,
+        name=msg.shm_name,
+        ipc_handle=msg.cuda_ipc_handle,
+        offset=msg.offset,
+        proof=msg.proof,
+    )
 
 
 def statuses_to_pb(statuses: Iterable[KeyStatus]) -> list[Any]:

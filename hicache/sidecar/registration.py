@@ -7,7 +7,16 @@ from typing import TYPE_CHECKING
 
 from hicache.geometry import KVGeometry
 from hicache.keys import KEY_BYTES
-from hicache.memory import CudaIpcOpens, FdStore, MemoryHandle, cuda_available, cuda_device_count, map_fds, open_shm
+from hicache.memory import (
+    CudaIpcOpens,
+    FdStore,
+    MemoryHandle,
+    cuda_available,
+    cuda_device_count,
+    map_fds,
+    open_shm,
+    owns_shm,
+)
 from hicache.memory.cuda_events import check_event_handles
 from hicache.pools.layouts import BlockLayout, EngineLayout, Layout, check_engine_layout, check_segments
 from hicache.validate import is_int
@@ -58,6 +67,7 @@ class PoolRequest:
 
     def check(self, expected: dict[str, KVGeometry] | None, storage_backend: str) -> None:
         """Raises ValueError naming the first bad value; nothing is mapped or allocated yet."""
+        check_owned(self.device_memory)
         check_geometry(expected, self.group, self.geometry)
         if not is_int(self.device_pages) or self.device_pages < 1:
             raise ValueError(f"device_pages must be an int >= 1, got {self.device_pages!r}")
@@ -120,6 +130,19 @@ class PoolRequest:
         KV heads under the same page keys, so the rank is part of it."""
         model = self.model_id or "unnamed"
         return model if self.tp_size == 1 else f"{model}|tp{self.tp_rank}of{self.tp_size}"
+
+
+def check_owned(memory: MemoryHandle) -> None:
+    """Raises ValueError for a shared-memory segment the caller has not shown it made (its
+    proof, see hicache.memory.shm.owns_shm): anyone who may call the sidecar could otherwise
+    have it read and write any file in /dev/shm its uid can open, another pool's segments
+    included. The answer is the same whether or not the segment exists (no file is read).
+    fds sent over the Unix socket and CUDA IPC handles are held only by their owner."""
+    if memory.kind == "shm" and not owns_shm(memory.name, memory.proof):
+        raise ValueError(
+            f"device memory shm {memory.name!r} is refused: the sidecar maps only memory the engine shows "
+            "it owns (a segment hicache's client made, sent with its proof, or fds sent over the Unix socket)"
+        )
 
 
 def check_geometry(expected: dict[str, KVGeometry] | None, group: str, geometry: KVGeometry) -> None:

@@ -123,7 +123,9 @@ class HiCacheService:
             device_layout,
             tuple(offload_events),
         )
-        return self._requests.run(REGISTER, request_id, fingerprint(repr(req)), lambda: self._register(req))
+        return self._requests.run(
+            REGISTER, request_id, fingerprint(repr(req), req.device_memory.proof), lambda: self._register(req)
+        )
 
     def _register(self, req: PoolRequest) -> PoolInfo | NoSpace:
         req.check(self.config.expected, self.config.hierarchy.storage_backend)

@@ -174,6 +174,7 @@ def test_random_registrations_are_refused_or_registered_never_internal(sidecar, 
         cuda_ipc_handle=data.draw(st.binary(max_size=80)),
         offset=data.draw(st.one_of(st.just(0), U64)),
         cuda_device=data.draw(st.integers(-(2**31), 2**31 - 1)),
+        proof=data.draw(st.one_of(st.just(sc.dev.handle.proof), st.text(max_size=40))),
     )
     request = pb.RegisterPoolRequest(
         request_id=data.draw(request_ids),

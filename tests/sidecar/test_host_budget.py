@@ -161,7 +161,7 @@ def test_a_budget_too_small_for_another_pool_is_refused_naming_it() -> None:
 
 
 BAD_REGISTRATIONS = {
-    "missing shm": (8, "", "hicache-no-such-segment", "does not exist"),
+    "unproven shm": (8, "", "hicache-no-such-segment", "is refused"),
     "pages past the memory": (10**9, "sglang_layer_first", "", r"\(device_pages=1000000000\)"),
 }
 
@@ -177,7 +177,7 @@ def test_a_registration_that_fails_validation_evicts_nothing_from_the_live_pools
         for i in range(2):  # its whole share filled
             stored = svc.offload(f"o{i}", first.pool_id, keys[8 * i : 8 * (i + 1)], list(range(8))).statuses
             assert stored == (KeyStatus.STORED,) * 8
-        memory = MemoryHandle("shm", dev.nbytes, name=shm_name or dev.handle.name)
+        memory = MemoryHandle("shm", dev.nbytes, name=shm_name or dev.handle.name, proof=dev.handle.proof)
         with pytest.raises(ValueError, match=error):
             svc.register(
                 "b",

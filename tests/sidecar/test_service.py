@@ -250,7 +250,7 @@ def test_register_validates_memory_and_hash():
     with pytest.raises(ValueError, match="1474560 bytes but 8 pages"):
         svc.register("a", geometry=g, device_pages=8, device_memory=dev.handle)
     ghost = MemoryHandle("shm", dev.nbytes, name="hicache-doesnotexist")
-    with pytest.raises(ValueError, match="hicache-doesnotexist"):
+    with pytest.raises(ValueError, match="hicache-doesnotexist.* is refused"):
         svc.register("b", geometry=g, device_pages=4, device_memory=ghost)
     with pytest.raises(ValueError, match="'md5'"):
         svc.register("c", geometry=g, device_pages=4, device_memory=dev.handle, key_hash="md5")
@@ -495,7 +495,7 @@ def test_concurrent_registrations_respect_the_pool_limit():
 def test_a_host_pool_cannot_be_registered_as_device_memory(setup):
     svc, dev, info = setup
     host = MemoryHandle("shm", dev.nbytes * 2, name=info.host_shm_name)  # 2x ratio: same geometry, 16 pages
-    with pytest.raises(ValueError, match="is one of this sidecar's host pools"):
+    with pytest.raises(ValueError, match="is refused: the sidecar maps only memory the engine shows it owns"):
         svc.register("r2", geometry=dev.geometry, device_pages=16, device_memory=host)
     assert svc.pool_ids == [info.pool_id]
     svc.check_integrity()

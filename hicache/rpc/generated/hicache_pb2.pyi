@@ -81,20 +81,22 @@ class Geometry(_message.Message):
     def __init__(self, attention: _Optional[str] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MemoryHandle(_message.Message):
-    __slots__ = ("kind", "nbytes", "shm_name", "cuda_ipc_handle", "offset", "cuda_device")
+    __slots__ = ("kind", "nbytes", "shm_name", "cuda_ipc_handle", "offset", "cuda_device", "proof")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     kind: str
     nbytes: int
     shm_name: str
     cuda_ipc_handle: bytes
     offset: int
     cuda_device: int
-    def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., cuda_device: _Optional[int] = ...) -> None: ...
+    proof: str
+    def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., cuda_device: _Optional[int] = ..., proof: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("request_id", "group", "geometry", "device_pages", "device_memory", "namespace", "model_id", "key_hash", "tp_rank", "tp_size", "device_layout", "offload_event_handles")
