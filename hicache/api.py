@@ -61,6 +61,19 @@ class PoolInfo:
 
 
 @dataclass(frozen=True)
+class CopyGrant:
+    """BeginCopy answer (copy path "engine": the engine copies itself). statuses: one per key
+    (offload: STORED granted, DEDUPLICATED, NO_SPACE; reload: LOADED / LOADED_FROM_STORAGE
+    granted, NOT_FOUND). host_pages: the host page of each granted key, in key order.
+    EndCopy(grant_id) within expires_s seconds; "" when nothing was granted."""
+
+    statuses: tuple[KeyStatus, ...]
+    host_pages: tuple[int, ...]
+    grant_id: str
+    expires_s: float
+
+
+@dataclass(frozen=True)
 class TransferResult:
     """Offload / Reload answer: one status per key, in request order."""
 
@@ -124,6 +137,7 @@ class PoolStats:
     copy_backend: str = ""  # TransferEngine.backend: native | torch | triton
     storage_nodes_down: tuple[str, ...] = ()  # Redis servers / cluster nodes down now (host:port)
     write_policy: str = ""  # write_through | write_through_selective | write_back
+    copy_path: str = "sidecar"  # who copies device <-> host: the sidecar, or the engine itself
 
 
 @dataclass(frozen=True)

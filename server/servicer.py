@@ -187,6 +187,29 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         )
 
     @_mapped
+    def BeginCopy(self, request: pb.BeginCopyRequest, context: grpc.ServicerContext) -> pb.BeginCopyResponse:
+        self._own(request.pool_id, context)
+        g = self.service.begin_copy(request.request_id, request.pool_id, list(request.keys), offload=request.offload)
+        return pb.BeginCopyResponse(
+            statuses=convert.statuses_to_pb(g.statuses),
+            host_pages=list(g.host_pages),
+            grant_id=g.grant_id,
+            expires_in=_duration(g.expires_s),
+        )
+
+    @_mapped
+    def EndCopy(self, request: pb.EndCopyRequest, context: grpc.ServicerContext) -> pb.EndCopyResponse:
+        self._own(request.pool_id, context)
+        pages = self.service.end_copy(
+            request.request_id,
+            request.pool_id,
+            request.grant_id,
+            commit=request.commit,
+            copy_seconds=request.copy_seconds,
+        )
+        return pb.EndCopyResponse(pages=pages)
+
+    @_mapped
     def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
         self._own(request.pool_id, context)
         r = self.service.prefetch(request.request_id, request.pool_id, list(request.keys), request.policy)

@@ -23,6 +23,7 @@ Failed calls raise HiCacheRpcError with the gRPC status code and the sidecar's m
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ import numpy as np
 from hicache.api import (
     ADMIN_TOKEN,
     POOL_SECRET,
+    CopyGrant,
     EventBatch,
     EvictResult,
     KeyStatus,
@@ -50,12 +52,15 @@ from hicache.client.progress_blocks import ProgressBlocks
 from hicache.client.tls import ClientTls
 from hicache.geometry import KVGeometry
 from hicache.keys import HashName, page_keys
-from hicache.memory import MemoryHandle, cuda_available, cuda_index, send_fds
+from hicache.memory import MemoryHandle, SharedBuffer, cuda_available, cuda_index, send_fds
 from hicache.rpc import convert
 from hicache.rpc.generated import hicache_pb2 as pb
 
 if TYPE_CHECKING:
+    from hicache.client.engine_copy import EngineCopy
     from hicache.pools import DeviceKVPool
+
+log = logging.getLogger("hicache.client")
 
 T = TypeVar("T")
 
@@ -110,6 +115,7 @@ class HiCacheClient:
         self._default: str | None = None
         self._blocks = ProgressBlocks()  # the progress blocks of this client's pools, mapped
         self._cuda_events: dict[str, PoolCudaEvents] = {}  # CUDA pools: offload and layer events
+        self._copiers: dict[str, EngineCopy] = {}  # pools whose copies run here (copy path "engine")
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _call(
@@ -173,7 +179,22 @@ class HiCacheClient:
         shareable: a CPU pool in shared memory or a CUDA pool exported with CUDA IPC. With
         tensor parallelism each rank registers its own pool with its tp_rank: ranks hold
         different KV heads under the same page keys, so their stored pages are kept apart.
-        cuda_device: the pool's CUDA device index, by default the one its memory is on."""
+        cuda_device: the pool's CUDA device index, by default the one its memory is on.
+        A pool the sidecar cannot map (private memory: memory kind "local") is registered
+        with the copy path "engine" (register_engine_copy), and the choice is logged."""
+        if device_pool.handle.kind == "local":
+            log.info("device pool is in private memory: this process copies it (copy path 'engine')")
+            return self.register_engine_copy(
+                device_pool.geometry,
+                device_pool.num_pages,
+                device_pool.memory,
+                namespace=namespace,
+                model_id=model_id,
+                group=group,
+                key_hash=key_hash,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+            )
         if cuda_device is None:
             cuda_device = cuda_index(str(device_pool.flat.device)) if device_pool.flat.is_cuda else 0
         return self.register_memory(
@@ -259,6 +280,77 @@ class HiCacheClient:
         self._conn.keep_alive(lambda: [(p, i.secret) for p, i in list(self._pools.items())], info.lease_timeout_s)
         return info
 
+    def register_engine_copy(
+        self,
+        geometry: KVGeometry,
+        num_pages: int,
+        memory: SharedBuffer,
+        *,
+        device_layout: str = "",
+        namespace: str = "",
+        model_id: str = "",
+        group: str = "full",
+        key_hash: HashName = "sha256",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> RegisteredPool:
+        """register_memory() for memory the sidecar cannot map (a private allocation, a CUDA
+        pool that cannot be exported): num_pages pages of `geometry` in `memory`, laid out as
+        `device_layout`. This process maps the sidecar's host pool and copies itself, and
+        offload() / reload() on the pool run here; the sidecar keeps the index, eviction,
+        tiers and pins, and publishes an offloaded page only once its copy is done (see
+        hicache.client.engine_copy). Raises ValueError for memory too small for the layout,
+        before anything is registered."""
+        from hicache.client.engine_copy import EngineCopy, local_pool  # torch: loaded with the first pool
+
+        device = local_pool(geometry, num_pages, memory, device_layout)
+        info = self.register_memory(
+            geometry,
+            num_pages,
+            MemoryHandle("engine", 0),
+            namespace=namespace,
+            model_id=model_id,
+            group=group,
+            key_hash=key_hash,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        pool_id = info.pool_id
+        try:
+            copier = EngineCopy.attach(
+                device,
+                info.host_shm_name,
+                info.host_pages,
+                info.host_layout,
+                lambda keys, offload: self.begin_copy(keys, offload=offload, pool=pool_id),
+                lambda grant_id, commit, seconds: self.end_copy(
+                    grant_id, commit=commit, copy_seconds=seconds, pool=pool_id
+                ),
+            )
+        except BaseException:
+            self.unregister(info, retry=False)
+            raise
+        self._copiers[pool_id] = copier
+        return info
+
+    def begin_copy(self, keys: Sequence[bytes], *, offload: bool, pool: PoolRef = None) -> CopyGrant:
+        """BeginCopy: host pages for this process to copy into (offload) or out of (reload)
+        itself; end each grant with end_copy. register_engine_copy's pools call it for you."""
+        pool_id = self._pool_id(pool)
+        req = pb.BeginCopyRequest(request_id=self._rid(), pool_id=pool_id, keys=list(keys), offload=offload)
+        r = self._call(self._stub.BeginCopy, req, pool=pool_id)
+        statuses = convert.statuses_from_pb(r.statuses)
+        return CopyGrant(statuses, tuple(r.host_pages), r.grant_id, r.expires_in.ToNanoseconds() / 1e9)
+
+    def end_copy(self, grant_id: str, *, commit: bool, copy_seconds: float = 0.0, pool: PoolRef = None) -> int:
+        """EndCopy: publish an offload grant's pages (commit) or give them back; end a reload
+        grant's hold. Returns its pages."""
+        pool_id = self._pool_id(pool)
+        req = pb.EndCopyRequest(
+            request_id=self._rid(), pool_id=pool_id, grant_id=grant_id, commit=commit, copy_seconds=copy_seconds
+        )
+        return int(self._call(self._stub.EndCopy, req, pool=pool_id).pages)
+
     def send_fds(self, fds: Sequence[int]) -> list[str]:
         """Hand memfd/shm fds to the sidecar (Unix socket targets only, same uid); returns the
         ids for a MemoryHandle("fd", nbytes, name=",".join(ids)). Raises ValueError or OSError."""
@@ -294,6 +386,9 @@ class HiCacheClient:
             return False
         del self._pools[pool_id]
         self._secrets.pop(pool_id, None)
+        copier = self._copiers.pop(pool_id, None)
+        if copier is not None:
+            copier.close()
         self._blocks.unmap(pool_id)
         events = self._cuda_events.pop(pool_id, None)
         if events is not None:
@@ -319,6 +414,9 @@ class HiCacheClient:
         synchronize is needed first. Record a pool's offloads on one stream (the events are a
         ring of 32; see hicache.client.cuda_events)."""
         pool_id = self._pool(pool).pool_id
+        copier = self._copiers.get(pool_id)
+        if copier is not None:
+            return copier.offload(keys, device_pages)
         events = self._cuda_events.get(pool_id)
         req = pb.OffloadRequest(
             request_id=self._rid(),
@@ -340,6 +438,9 @@ class HiCacheClient:
         sidecar starts (CUDA) or makes (CPU, under 4 MB) before answering reports its failure
         as this call's error; later failures come from the handle's waits."""
         info = self._pool(pool)
+        copier = self._copiers.get(info.pool_id)
+        if copier is not None:  # copied here, before this returns (layer-wise too)
+            return ReloadHandle(copier.reload(keys, device_pages), info.layer_num, None)
         req = pb.ReloadRequest(
             request_id=self._rid(),
             pool_id=info.pool_id,

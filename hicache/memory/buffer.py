@@ -14,7 +14,7 @@ from hicache.validate import is_int
 if TYPE_CHECKING:
     import torch  # imported where a buffer is made: a sidecar starts without torch
 
-ShmKind = Literal["shm", "cuda_ipc", "local", "fd"]
+ShmKind = Literal["shm", "cuda_ipc", "local", "fd", "engine"]  # engine: not shared, the engine copies
 
 
 @dataclass(frozen=True)

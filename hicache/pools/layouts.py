@@ -301,3 +301,14 @@ def make_layout(name: str, geometry: KVGeometry, num_pages: int) -> Layout:
 def canonical_page_layout(geometry: KVGeometry) -> Layout:
     """The layout of one flat page as stored and sent: page_first_direct with one page."""
     return PageFirstDirect(geometry, 1)
+
+
+def engine_layout(geometry: KVGeometry, pages: int, layout: str, bases: tuple[int, ...] | None, extent: int) -> Layout:
+    """An engine's own layout `layout` (an EngineLayout or BlockLayout name) of `pages` pages
+    over memory of `extent` bytes whose buffers start at `bases` (None: back to back).
+    Raises ValueError for memory too small."""
+    if layout.startswith(BlockLayout.PREFIX):
+        if bases is not None:
+            raise ValueError(f"device layout {layout!r} addresses one segment, got {len(bases)}")
+        return BlockLayout(geometry, pages, layout, extent=extent)
+    return EngineLayout(geometry, pages, layout, bases, extent=extent)

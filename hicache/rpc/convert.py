@@ -71,8 +71,8 @@ def memory_to_pb(h: MemoryHandle, cuda_device: int = 0) -> pb.MemoryHandle:
 
 
 def memory_from_pb(msg: pb.MemoryHandle) -> MemoryHandle:
-    if msg.kind not in ("shm", "cuda_ipc", "fd"):
-        raise ValueError(f"device memory kind must be 'shm', 'cuda_ipc' or 'fd', got {msg.kind!r}")
+    if msg.kind not in ("shm", "cuda_ipc", "fd", "engine"):
+        raise ValueError(f"device memory kind must be 'shm', 'cuda_ipc', 'fd' or 'engine', got {msg.kind!r}")
     return MemoryHandle(
         msg.kind,  # type: ignore[arg-type]
         msg.nbytes,
@@ -160,6 +160,7 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
         copy_backend=s.copy_backend,
         storage_nodes_down=list(s.storage_nodes_down),
         write_policy=s.write_policy,
+        copy_path=s.copy_path,
     )
 
 
@@ -189,6 +190,7 @@ def stats_from_pb(m: pb.PoolStats) -> PoolStats:
         m.copy_backend,
         tuple(m.storage_nodes_down),
         m.write_policy,
+        m.copy_path or "sidecar",
     )
 
 

@@ -13,7 +13,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from hicache.api import EvictResult, KeyStatus, LookupResult, PoolStats, PrefetchOutcome, Tier, TransferResult
+from hicache.api import (
+    CopyGrant,
+    EvictResult,
+    KeyStatus,
+    LookupResult,
+    PoolStats,
+    PrefetchOutcome,
+    Tier,
+    TransferResult,
+)
 from hicache.cache.index import HostIndex
 from hicache.cache.prefetch import PrefetchHandle
 from hicache.cache.tiering import HierarchicalCache
@@ -22,6 +31,7 @@ from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.sidecar.checks import check_keys, check_pages
 from hicache.sidecar.errors import StateError
 from hicache.sidecar.events import PoolEvents
+from hicache.sidecar.grants import CopyGrants
 from hicache.sidecar.layer_events import LayerEvents
 from hicache.sidecar.operations import Operation, OperationTable, PrefetchTable, copy_layers, prefetch_statuses
 from hicache.sidecar.pool_stats import Counters, pool_stats
@@ -45,7 +55,7 @@ class RegisteredPool:
     def __init__(
         self,
         identity: PoolIdentity,
-        device: DeviceKVPool,
+        device: DeviceKVPool | None,
         cache: HierarchicalCache,
         *,
         max_batch: int,
@@ -55,19 +65,26 @@ class RegisteredPool:
         events: PoolEvents | None = None,
         offload_events: OpenedIpcEvents | None = None,
         layerwise_inline_bytes: int = 0,
+        device_pages: int = 0,
+        grant_ttl_s: float = 30.0,
     ):
         """`events`: where the pool publishes KV events (registered now, unregistered at close,
         and every change of what its host index and storage tier hold). `offload_events`: the
         engine's interprocess CUDA events, opened (an OpenedIpcEvents, closed with the pool),
         that offloads wait for on the GPU. `layerwise_inline_bytes`: a layer-wise reload of
-        fewer bytes is copied before the answer (CPU pools)."""
+        fewer bytes is copied before the answer (CPU pools). device None: the engine's memory
+        is not mapped (copy path "engine": the engine copies through grants, see grants.py);
+        device_pages then says how many pages it has."""
         assert isinstance(cache.pool, HostKVPool)
         self.identity = identity
         self.device = device
         self.cache = cache
         self.host: HostKVPool = cache.pool
-        self.engine = TransferEngine(device, self.host, io_backend)
-        self.geometry = device.geometry
+        self.engine = TransferEngine(device, self.host, io_backend) if device is not None else None
+        self.geometry = cache.geometry
+        self.device_pages = device.num_pages if device is not None else device_pages
+        self.copy_path = "sidecar" if device is not None else "engine"
+        self.grants = CopyGrants(cache, grant_ttl_s, clock)
         self.max_batch = max_batch
         self.counters = Counters()
         self.lock = threading.Lock()
@@ -79,10 +96,14 @@ class RegisteredPool:
         self._prefetches = PrefetchTable(finished_ops_kept)
         self._clock = clock
         # where layer-wise reloads publish their layers for the engine (the native CPU path)
-        self.progress = ProgressBlock() if self.engine.backend == "native" else None
+        self.progress = ProgressBlock() if self.engine is not None and self.engine.backend == "native" else None
         # CUDA pools: the layer events layer-wise reloads record for the engine's stream
-        on_cuda = bool(device.flat.is_cuda)
-        self.layer_events = LayerEvents(self.geometry.layer_num, device.flat.device.index or 0) if on_cuda else None
+        on_cuda = device is not None and bool(device.flat.is_cuda)
+        self.layer_events = (
+            LayerEvents(self.geometry.layer_num, device.flat.device.index or 0)
+            if device is not None and on_cuda
+            else None
+        )
         self.offload_events = offload_events
         self.layerwise_inline_bytes = layerwise_inline_bytes
         self.events = events
@@ -90,6 +111,11 @@ class RegisteredPool:
             cache.index.observer = events.host
             cache.storage.add_watcher(events.storage)
             events.registered(cache.with_host_keys)
+
+    @property
+    def _copier(self) -> TransferEngine:
+        assert self.engine is not None  # check_device refused a pool without a mapping
+        return self.engine
 
     @property
     def index(self) -> HostIndex:
@@ -117,13 +143,19 @@ class RegisteredPool:
         return check_keys(keys, self.identity.key_bytes, self.identity.key_hash, self.max_batch, unique=unique)
 
     def check_pages(self, device_pages: Sequence[int], n: int) -> list[int]:
-        return check_pages(device_pages, n, self.device.num_pages)
+        return check_pages(device_pages, n, self.device_pages)
 
     def check_device(self) -> None:
         """Raises StateError when the engine changed its memory under the sidecar (a shared file
         shrunk below the mapped size): copying would fault the whole sidecar (SIGBUS). Only
         this pool's calls fail; the engine must register again. Call it in flight (_in_flight):
-        once the pool is closed, the fds it checks are closed too."""
+        once the pool is closed, the fds it checks are closed too. A pool whose engine copies
+        itself has no mapping: ValueError, since the sidecar has nothing to copy with."""
+        if self.device is None:
+            raise ValueError(
+                f"pool {self.identity.pool_id} copies in the engine (copy_path 'engine'): "
+                "the engine copies through BeginCopy/EndCopy, not Offload/Reload"
+            )
         problem = self.device.memory.damage()
         if problem:
             raise StateError(f"pool {self.identity.pool_id}: {problem}; register the pool again")
@@ -140,6 +172,43 @@ class RegisteredPool:
         with self._in_flight():  # first: close() may have released the device memory
             self.check_device()
             return self._offload(ks, pages, ready)
+
+    # ---- the engine's own copies (copy path "engine") ------------------------------------------
+    def begin_copy(self, keys: Sequence[bytes], *, offload: bool) -> CopyGrant:
+        """Grant host pages for the engine to copy into (offload) or out of (reload); see
+        hicache.sidecar.grants. Any pool may be asked; one whose memory the sidecar cannot
+        map can only be asked this."""
+        ks = self.check_keys(keys, unique=True)
+        with self._in_flight():
+            self.grants.expire()
+            grant = self.grants.offload(ks) if offload else self.grants.reload(ks)
+        if offload:
+            with self.lock:
+                c = self.counters
+                c.deduplicated += grant.statuses.count(KeyStatus.DEDUPLICATED)
+                c.no_space += grant.statuses.count(KeyStatus.NO_SPACE)
+        return grant
+
+    def end_copy(self, grant_id: str, *, commit: bool, copy_seconds: float = 0.0) -> int:
+        """End a grant (see CopyGrants.end); returns its pages. copy_seconds: the engine's
+        copy time, for the pool's GB/s. Raises UnknownId for an unknown or expired grant."""
+        if not isinstance(copy_seconds, float | int) or not 0 <= copy_seconds < float("inf"):
+            raise ValueError(f"copy_seconds must be a finite number >= 0, got {copy_seconds!r}")
+        with self._in_flight():
+            offload, pages = self.grants.end(grant_id, commit)
+        if commit:
+            nbytes = pages * self.geometry.page_bytes
+            with self.lock:
+                c = self.counters
+                if offload:
+                    c.offload_bytes, c.offload_s, c.stored = (
+                        c.offload_bytes + nbytes,
+                        c.offload_s + copy_seconds,
+                        c.stored + pages,
+                    )
+                else:
+                    c.reload_bytes, c.reload_s = c.reload_bytes + nbytes, c.reload_s + copy_seconds
+        return pages
 
     def _ready_hook(self, ready_event: int) -> StreamHook | None:
         """The copy stream's wait for the engine's event `ready_event` (1-based). Raises ValueError."""
@@ -160,7 +229,7 @@ class RegisteredPool:
         assert res is not None
         t0 = time.perf_counter()
         try:
-            nbytes = self.engine.offload([where[k] for k, _ in res.new], [p for _, p in res.new], ready=ready)
+            nbytes = self._copier.offload([where[k] for k, _ in res.new], [p for _, p in res.new], ready=ready)
         except BaseException:
             self.cache.abort(res)
             raise
@@ -194,7 +263,7 @@ class RegisteredPool:
             return self._reload(ks, pages, layerwise)
 
     def _reload(self, ks: list[bytes], pages: list[int], layerwise: bool) -> TransferResult:
-        self.engine.check_device_pages(pages)  # before load() fetches or evicts anything
+        self._copier.check_device_pages(pages)  # before load() fetches or evicts anything
         loaded = self.cache.load(ks)
         op = Operation("op-" + secrets.token_hex(8), self.geometry.layer_num)
         with self.lock:
@@ -238,7 +307,7 @@ class RegisteredPool:
         _, keys, host_pages, dev_pages = args
         release = functools.partial(progress.release, slot)
         handle = self._start_copy(
-            op, keys, lambda: self.engine.reload_async(host_pages, dev_pages, progress=words), release
+            op, keys, lambda: self._copier.reload_async(host_pages, dev_pages, progress=words), release
         )  # started here, before the answer: no worker thread start ahead of the first layer
         result = self._start_worker(op, statuses, nbytes, args, release, handle, words=words)
         return dataclasses.replace(
@@ -261,7 +330,7 @@ class RegisteredPool:
         handle = self._start_copy(
             op,
             keys,
-            lambda: self.engine.reload_async(host_pages, dev_pages, after_layer=events.recorder(slot)),
+            lambda: self._copier.reload_async(host_pages, dev_pages, after_layer=events.recorder(slot)),
             release,
         )
         result = self._start_worker(op, statuses, nbytes, args, release, handle)
@@ -346,7 +415,7 @@ class RegisteredPool:
         FAILED."""
         t0 = time.perf_counter()
         nbytes = copy_layers(
-            self.engine, op, host_pages, dev_pages, per_layer=per_layer, progress=progress, started=started
+            self._copier, op, host_pages, dev_pages, per_layer=per_layer, progress=progress, started=started
         )
         with self.lock:
             self.counters.reload_bytes += nbytes
@@ -427,9 +496,10 @@ class RegisteredPool:
                 self.cache,
                 cs,
                 self.counters,
-                device_pages=self.device.num_pages,
-                in_flight=in_flight,
-                copy_backend=self.engine.backend,
+                device_pages=self.device_pages,
+                in_flight=in_flight + len(self.grants),
+                copy_backend=self.engine.backend if self.engine is not None else "engine",
+                copy_path=self.copy_path,
             )
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -461,12 +531,15 @@ class RegisteredPool:
         if not first:  # a concurrent close() releases; return when it has
             self._released.wait()
             return
-        steps: list[Callable[[], object]] = [self.cache.close]
+        steps: list[Callable[[], object]] = [self.grants.close, self.cache.close]
         if self.events is not None:
             steps.append(self._detach_events)
-        steps += [self.cache.storage.close, self.engine.close]
-        steps += [part.close for part in (self.progress, self.layer_events, self.offload_events) if part is not None]
-        steps += [self.host.close, self.device.close]
+        steps.append(self.cache.storage.close)
+        parts = (self.engine, self.progress, self.layer_events, self.offload_events)
+        steps += [part.close for part in parts if part is not None]
+        steps.append(self.host.close)
+        if self.device is not None:
+            steps.append(self.device.close)
         failure: BaseException | None = None
         try:
             for step in steps:  # each runs whatever an earlier one raised: memory is never left behind
@@ -492,5 +565,7 @@ class RegisteredPool:
             self.index.check_integrity()
             return
         self.cache.check_integrity()
-        self.device.check_integrity()
-        assert self.host.geometry == self.device.geometry == self.geometry
+        assert self.host.geometry == self.geometry
+        if self.device is not None:
+            self.device.check_integrity()
+            assert self.device.geometry == self.geometry

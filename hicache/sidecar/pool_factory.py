@@ -26,13 +26,14 @@ class PoolParts:
     its offload events opened and the storage tier. The pool built from them owns them; until
     then, close() releases them."""
 
-    device: DeviceKVPool
+    device: DeviceKVPool | None  # None: the engine copies itself (memory kind "engine")
     offload_events: OpenedIpcEvents | None
     tier: StorageTier
 
     def close(self) -> None:
         with contextlib.ExitStack() as undo:  # each one closed, even if another raises
-            undo.callback(self.device.close)
+            if self.device is not None:
+                undo.callback(self.device.close)
             if self.offload_events is not None:
                 undo.callback(self.offload_events.close)
             undo.callback(self.tier.close)
@@ -43,14 +44,17 @@ def make_parts(req: PoolRequest, config: ServiceConfig, ipc: CudaIpcOpens, fds: 
     ValueError for memory that cannot be mapped (and whatever the tier raises), with nothing
     left open."""
     with contextlib.ExitStack() as undo:
-        device: DeviceKVPool
-        if req.device_layout:
+        device: DeviceKVPool | None = None
+        if req.device_memory.kind == "engine":
+            pass  # nothing to map: the engine copies between its memory and the host pool
+        elif req.device_layout:
             device = map_engine_layout(
                 req.geometry, req.device_pages, req.device_memory, req.device_layout, fds, ipc, req.cuda_device
             )
         else:
             device = map_device(req.geometry, req.device_pages, req.device_memory, req.cuda_device, ipc)
-        undo.callback(device.close)
+        if device is not None:
+            undo.callback(device.close)
         offload_events = None
         if req.offload_events:
             offload_events = OpenedIpcEvents(req.offload_events, req.cuda_device, "offload_event_handles")
@@ -93,6 +97,8 @@ def build_pool(
             ),
             offload_events=parts.offload_events,
             layerwise_inline_bytes=config.layerwise_inline_bytes,
+            device_pages=req.device_pages,
+            grant_ttl_s=config.lease_timeout_s,
         )
         undo.pop_all()
         return pool

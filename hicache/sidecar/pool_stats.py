@@ -36,6 +36,7 @@ def pool_stats(
     device_pages: int,
     in_flight: int,
     copy_backend: str,
+    copy_path: str = "sidecar",
 ) -> PoolStats:
     """`cs`: cache.stats(); `c`: the pool's counters (read under its lock)."""
     st = cs["storage"]
@@ -79,4 +80,5 @@ def pool_stats(
         copy_backend,
         tuple(st.get("nodes_down") or ()),
         cache.write_policy,
+        copy_path,
     )

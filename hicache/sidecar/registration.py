@@ -18,7 +18,7 @@ from hicache.memory import (
     owns_shm,
 )
 from hicache.memory.cuda_events import check_event_handles
-from hicache.pools.layouts import BlockLayout, EngineLayout, Layout, check_engine_layout, check_segments
+from hicache.pools.layouts import BlockLayout, check_engine_layout, check_segments, engine_layout
 from hicache.validate import is_int
 
 MAX_OFFLOAD_EVENTS = 256  # interprocess events one engine may hand a pool for its offloads
@@ -93,6 +93,13 @@ class PoolRequest:
                     f"device memory of kind {self.device_memory.kind!r} needs none"
                 )
             check_event_handles("offload_event_handles", self.offload_events, MAX_OFFLOAD_EVENTS)
+        if self.device_memory.kind == "engine":
+            if self.device_layout:
+                raise ValueError(
+                    f"device memory of kind 'engine' takes no device_layout (the engine addresses its own memory), "
+                    f"got {self.device_layout!r}"
+                )
+            return
         if self.device_layout:
             check_engine_layout(self.device_layout)
             kinds = ("fd", "shm", "cuda_ipc") if self.device_layout.startswith(BlockLayout.PREFIX) else ("fd", "shm")
@@ -214,16 +221,6 @@ def map_engine_layout(
     except BaseException:
         buf.close()
         raise
-
-
-def engine_layout(geometry: KVGeometry, pages: int, layout: str, bases: tuple[int, ...] | None, extent: int) -> Layout:
-    """The engine's layout `layout` of `pages` pages over memory of `extent` bytes whose
-    buffers start at `bases` (None: back to back). Raises ValueError for memory too small."""
-    if layout.startswith(BlockLayout.PREFIX):
-        if bases is not None:
-            raise ValueError(f"device layout {layout!r} addresses one segment, got {len(bases)}")
-        return BlockLayout(geometry, pages, layout, extent=extent)
-    return EngineLayout(geometry, pages, layout, bases, extent=extent)
 
 
 def map_device(

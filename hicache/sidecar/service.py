@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from hicache.api import (
+    CopyGrant,
     EvictResult,
     KeyStatus,
     LookupResult,
@@ -273,7 +274,13 @@ class HiCacheService:
 
     def reap_expired(self) -> list[str]:
         """Release every pool whose lease ran out; returns their ids. A lease renewed after
-        the list was made, by a call or KeepAlive, keeps its pool."""
+        the list was made, by a call or KeepAlive, keeps its pool. Copy grants past their time
+        (an engine that died mid-copy while its pool lives on) end as failed."""
+        for pool in self.pool_snapshots():
+            try:
+                pool.grants.expire()
+            except Exception:
+                log.exception("ending the expired copy grants of pool %s failed", pool.identity.pool_id)
         return [pool_id for pool_id in self._pools.expired() if self._release_logged(pool_id, only_expired=True)]
 
     def _release_logged(self, pool_id: str, *, only_expired: bool = False) -> bool:
@@ -315,6 +322,27 @@ class HiCacheService:
         args = fingerprint(list(keys), list(device_pages), layerwise)
         return self._requests.run(
             ("reload", pool_id), request_id, args, lambda: pool.reload(keys, device_pages, layerwise=layerwise)
+        )
+
+    def begin_copy(self, request_id: str, pool_id: str, keys: Sequence[bytes], *, offload: bool) -> CopyGrant:
+        """Host pages for the engine to copy into or out of itself (copy path "engine"; see
+        RegisteredPool.begin_copy)."""
+        pool = self.pool(pool_id)
+        args = fingerprint(list(keys), offload)
+        return self._requests.run(
+            ("begin_copy", pool_id), request_id, args, lambda: pool.begin_copy(keys, offload=offload)
+        )
+
+    def end_copy(self, request_id: str, pool_id: str, grant_id: str, *, commit: bool, copy_seconds: float = 0.0) -> int:
+        """End a grant of begin_copy; returns its pages. Raises UnknownId for an unknown or
+        expired grant."""
+        pool = self.pool(pool_id)
+        args = fingerprint(grant_id, commit, copy_seconds)
+        return self._requests.run(
+            ("end_copy", pool_id),
+            request_id,
+            args,
+            lambda: pool.end_copy(grant_id, commit=commit, copy_seconds=copy_seconds),
         )
 
     def prefetch(
@@ -444,7 +472,7 @@ def _resize(pool: RegisteredPool, pages: int) -> None:
 
 def _claim(pool: RegisteredPool) -> Claim:
     g = pool.geometry
-    return Claim(g.pool_bytes(pool.device.num_pages), g.page_bytes, pool.host.num_pages)
+    return Claim(g.pool_bytes(pool.device_pages), g.page_bytes, pool.host.num_pages)
 
 
 def _sweep() -> None:

@@ -30,7 +30,7 @@ def test_every_rpc_has_its_own_messages_and_every_field_and_enum_value_is_docume
     proto = (Path(__file__).resolve().parents[2] / "proto" / "hicache" / "v1" / "hicache.proto").read_text()
     lines = proto.splitlines()
     rpcs = re.findall(r"rpc (\w+)\((\w+)\) returns \((?:stream )?(\w+)\)", proto)
-    assert len(rpcs) == 13
+    assert len(rpcs) == 15
     for name, request, response in rpcs:
         assert request == f"{name}Request", name
         assert response in (f"{name}Response", "WatchEvent", "EventBatch"), name

@@ -56,6 +56,8 @@ def test_another_connection_can_neither_see_read_nor_change_a_pool(served: tuple
             lambda: intruder.unpin(keys, pool=pool.pool_id),
             lambda: intruder.prefetch(keys, pool=pool.pool_id),
             lambda: list(intruder.watch("op-x", pool=pool.pool_id)),
+            lambda: intruder.begin_copy(keys, offload=False, pool=pool.pool_id),
+            lambda: intruder.end_copy("grant-x", commit=True, pool=pool.pool_id),
         ):
             assert "wrong pool secret" in denied(call)
         stub = pb_grpc.HiCacheStub(grpc.insecure_channel(address))  # no secret at all
@@ -68,6 +70,8 @@ def test_another_connection_can_neither_see_read_nor_change_a_pool(served: tuple
             lambda: stub.GetStats(pb.GetStatsRequest(pool_id=pool.pool_id)),
             lambda: stub.KeepAlive(pb.KeepAliveRequest(pool_id=pool.pool_id)),
             lambda: stub.UnregisterPool(pb.UnregisterPoolRequest(request_id="u", pool_id=pool.pool_id)),
+            lambda: stub.BeginCopy(pb.BeginCopyRequest(request_id="b", pool_id=pool.pool_id, keys=keys, offload=True)),
+            lambda: stub.EndCopy(pb.EndCopyRequest(request_id="c", pool_id=pool.pool_id, grant_id="grant-x")),
         ):
             with pytest.raises(grpc.RpcError) as exc:
                 raw()

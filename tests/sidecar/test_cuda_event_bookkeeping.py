@@ -196,7 +196,8 @@ def test_register_announces_the_device_the_pool_is_on(monkeypatch: pytest.Monkey
 
     def pool(device: torch.device) -> Any:
         flat = SimpleNamespace(device=device, is_cuda=device.type == "cuda")
-        return SimpleNamespace(geometry=None, num_pages=1, handle=None, flat=flat)
+        memory = MemoryHandle("cuda_ipc" if flat.is_cuda else "shm", 1)  # memory the sidecar maps
+        return SimpleNamespace(geometry=None, num_pages=1, handle=memory, flat=flat)
 
     client.register(pool(torch.device("cuda", 1)))
     client.register(pool(torch.device("cuda")))  # no index: the current device

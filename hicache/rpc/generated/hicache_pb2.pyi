@@ -355,7 +355,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "group", "namespace", "model_id", "device_pages", "host_pages", "used_pages", "pinned_pages", "page_bytes", "tiers", "offload_bytes", "offload_gbps", "reload_bytes", "reload_gbps", "ops_in_flight", "storage_backend", "storage_healthy", "storage_write_queue", "copy_backend", "storage_nodes_down", "write_policy")
+    __slots__ = ("pool_id", "group", "namespace", "model_id", "device_pages", "host_pages", "used_pages", "pinned_pages", "page_bytes", "tiers", "offload_bytes", "offload_gbps", "reload_bytes", "reload_gbps", "ops_in_flight", "storage_backend", "storage_healthy", "storage_write_queue", "copy_backend", "storage_nodes_down", "write_policy", "copy_path")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +377,7 @@ class PoolStats(_message.Message):
     COPY_BACKEND_FIELD_NUMBER: _ClassVar[int]
     STORAGE_NODES_DOWN_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    COPY_PATH_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     group: str
     namespace: str
@@ -398,7 +399,8 @@ class PoolStats(_message.Message):
     copy_backend: str
     storage_nodes_down: _containers.RepeatedScalarFieldContainer[str]
     write_policy: str
-    def __init__(self, pool_id: _Optional[str] = ..., group: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., device_pages: _Optional[int] = ..., host_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offload_bytes: _Optional[int] = ..., offload_gbps: _Optional[float] = ..., reload_bytes: _Optional[int] = ..., reload_gbps: _Optional[float] = ..., ops_in_flight: _Optional[int] = ..., storage_backend: _Optional[str] = ..., storage_healthy: _Optional[bool] = ..., storage_write_queue: _Optional[int] = ..., copy_backend: _Optional[str] = ..., storage_nodes_down: _Optional[_Iterable[str]] = ..., write_policy: _Optional[str] = ...) -> None: ...
+    copy_path: str
+    def __init__(self, pool_id: _Optional[str] = ..., group: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., device_pages: _Optional[int] = ..., host_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offload_bytes: _Optional[int] = ..., offload_gbps: _Optional[float] = ..., reload_bytes: _Optional[int] = ..., reload_gbps: _Optional[float] = ..., ops_in_flight: _Optional[int] = ..., storage_backend: _Optional[str] = ..., storage_healthy: _Optional[bool] = ..., storage_write_queue: _Optional[int] = ..., copy_backend: _Optional[str] = ..., storage_nodes_down: _Optional[_Iterable[str]] = ..., write_policy: _Optional[str] = ..., copy_path: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("pools", "ops_in_flight")
@@ -499,3 +501,47 @@ class EventBatch(_message.Message):
     dropped: int
     timestamp: float
     def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., dropped: _Optional[int] = ..., timestamp: _Optional[float] = ...) -> None: ...
+
+class BeginCopyRequest(_message.Message):
+    __slots__ = ("request_id", "pool_id", "offload", "keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool_id: str
+    offload: bool
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., offload: _Optional[bool] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BeginCopyResponse(_message.Message):
+    __slots__ = ("statuses", "host_pages", "grant_id", "expires_in")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
+    host_pages: _containers.RepeatedScalarFieldContainer[int]
+    grant_id: str
+    expires_in: _duration_pb2.Duration
+    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., host_pages: _Optional[_Iterable[int]] = ..., grant_id: _Optional[str] = ..., expires_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class EndCopyRequest(_message.Message):
+    __slots__ = ("request_id", "pool_id", "grant_id", "commit", "copy_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool_id: str
+    grant_id: str
+    commit: bool
+    copy_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., commit: _Optional[bool] = ..., copy_seconds: _Optional[float] = ...) -> None: ...
+
+class EndCopyResponse(_message.Message):
+    __slots__ = ("pages",)
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    def __init__(self, pages: _Optional[int] = ...) -> None: ...

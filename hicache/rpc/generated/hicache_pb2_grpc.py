@@ -99,6 +99,16 @@ class HiCacheStub:
                 request_serializer=hicache_dot_v1_dot_hicache__pb2.SubscribeEventsRequest.SerializeToString,
                 response_deserializer=hicache_dot_v1_dot_hicache__pb2.EventBatch.FromString,
                 _registered_method=True)
+        self.BeginCopy = channel.unary_unary(
+                '/hicache.v1.HiCache/BeginCopy',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.BeginCopyRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.BeginCopyResponse.FromString,
+                _registered_method=True)
+        self.EndCopy = channel.unary_unary(
+                '/hicache.v1.HiCache/EndCopy',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.EndCopyRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.EndCopyResponse.FromString,
+                _registered_method=True)
 
 
 class HiCacheServicer:
@@ -199,6 +209,22 @@ class HiCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginCopy(self, request, context):
+        """Copy path "engine" (memory the sidecar cannot map): grants host pages for the engine to
+        copy into (an offload: reserved, invisible until EndCopy commits them) or out of (a
+        reload: held until EndCopy). The engine maps the host pool (RegisterPoolResponse) itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndCopy(self, request, context):
+        """Ends a grant: publishes an offload's pages (commit) or gives them back; drops a reload's hold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HiCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -266,6 +292,16 @@ def add_HiCacheServicer_to_server(servicer, server):
                     servicer.SubscribeEvents,
                     request_deserializer=hicache_dot_v1_dot_hicache__pb2.SubscribeEventsRequest.FromString,
                     response_serializer=hicache_dot_v1_dot_hicache__pb2.EventBatch.SerializeToString,
+            ),
+            'BeginCopy': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginCopy,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.BeginCopyRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.BeginCopyResponse.SerializeToString,
+            ),
+            'EndCopy': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndCopy,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.EndCopyRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.EndCopyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -619,6 +655,60 @@ class HiCache:
             '/hicache.v1.HiCache/SubscribeEvents',
             hicache_dot_v1_dot_hicache__pb2.SubscribeEventsRequest.SerializeToString,
             hicache_dot_v1_dot_hicache__pb2.EventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginCopy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HiCache/BeginCopy',
+            hicache_dot_v1_dot_hicache__pb2.BeginCopyRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.BeginCopyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndCopy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HiCache/EndCopy',
+            hicache_dot_v1_dot_hicache__pb2.EndCopyRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.EndCopyResponse.FromString,
             options,
             channel_credentials,
             insecure,

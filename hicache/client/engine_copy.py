@@ -1,0 +1,125 @@
+"""Copy path "engine": the engine copies between its own KV memory and the sidecar's host pool.
+
+Where the sidecar cannot map the engine's memory (vLLM's CPU worker allocates its KV cache
+with torch.zeros, a private allocation; a CUDA pool in a CuMem pool cannot be exported over
+CUDA IPC), the engine maps the sidecar's host pool (shared memory; page-locked here when the
+engine's memory is on CUDA) and runs a TransferEngine, with the same KVGeometry, between
+the two. The sidecar keeps the index, eviction, tiers and pins: BeginCopy grants host pages,
+EndCopy publishes an offload's pages (only then can any lookup see them) or drops a
+reload's hold. See hicache.sidecar.grants.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from hicache.api import CopyGrant, KeyStatus, TransferResult
+from hicache.geometry import KVGeometry
+from hicache.memory import MemoryHandle, SharedBuffer, pin_host
+from hicache.pools import DeviceKVPool, HostKVPool
+from hicache.pools.layouts import engine_layout
+from hicache.pools.mapped import MappedKVPool
+from hicache.transfer import TransferEngine
+
+log = logging.getLogger("hicache.client")
+
+BeginCopy = Callable[[Sequence[bytes], bool], CopyGrant]  # (keys, offload) -> grant
+EndCopy = Callable[[str, bool, float], int]  # (grant id, commit, copy seconds) -> pages
+
+
+def local_pool(geometry: KVGeometry, num_pages: int, memory: SharedBuffer, device_layout: str = "") -> DeviceKVPool:
+    """The engine's own memory as a pool: hicache's layer_first (device_layout ""), or the
+    engine's layout (an EngineLayout or BlockLayout name: vLLM's blocks, SGLang's pools).
+    Raises ValueError for memory too small for num_pages pages of that layout."""
+    if not device_layout:
+        return DeviceKVPool(geometry, num_pages, memory=memory)
+    layout = engine_layout(geometry, num_pages, device_layout, None, memory.nbytes)
+    return MappedKVPool(geometry, layout, memory)
+
+
+class EngineCopy:
+    """One pool's copies in the engine's process: its memory and the mapped host pool."""
+
+    def __init__(self, device: DeviceKVPool, host: HostKVPool, begin: BeginCopy, end: EndCopy):
+        self.device, self.host = device, host
+        self.engine = TransferEngine(device, host)
+        self._begin, self._end = begin, end
+
+    @classmethod
+    def attach(
+        cls,
+        device: DeviceKVPool,
+        host_name: str,
+        host_pages: int,
+        host_layout: str,
+        begin: BeginCopy,
+        end: EndCopy,
+    ) -> EngineCopy:
+        """Map the sidecar's host pool `host_name` (host_pages pages in host_layout) beside
+        `device`; page-locked when `device` is on CUDA. Raises ValueError or OSError."""
+        host = HostKVPool.attach(device.geometry, host_pages, host_layout, MemoryHandle("shm", 0, name=host_name))
+        try:
+            if device.flat.is_cuda and not pin_host(host.memory):
+                log.warning("the sidecar's host pool is not page-locked in this process: copies run pageable")
+            return cls(device, host, begin, end)
+        except BaseException:
+            host.close()
+            raise
+
+    def offload(self, keys: Sequence[bytes], device_pages: Sequence[int]) -> TransferResult:
+        """Copy device_pages[i] into the host page granted to keys[i], then publish them:
+        STORED, DEDUPLICATED or NO_SPACE each. A failed copy publishes nothing."""
+        pages = self._checked(keys, device_pages)
+        grant = self._begin(keys, True)
+        src = [p for p, s in zip(pages, grant.statuses, strict=True) if s == KeyStatus.STORED]
+        if not grant.grant_id:
+            return TransferResult(grant.statuses, 0)
+        t0 = time.perf_counter()
+        try:
+            nbytes = self.engine.offload(src, list(grant.host_pages))
+        except BaseException:
+            self._abandon(grant.grant_id)
+            raise
+        self._end(grant.grant_id, True, time.perf_counter() - t0)
+        return TransferResult(grant.statuses, nbytes)
+
+    def reload(self, keys: Sequence[bytes], device_pages: Sequence[int]) -> TransferResult:
+        """Copy the longest loadable prefix of `keys` into device_pages (done when this
+        returns): LOADED / LOADED_FROM_STORAGE, then NOT_FOUND, device pages untouched."""
+        pages = self._checked(keys, device_pages)
+        grant = self._begin(keys, False)
+        if not grant.grant_id:
+            return TransferResult(grant.statuses, 0)
+        n = len(grant.host_pages)
+        t0 = time.perf_counter()
+        try:
+            nbytes = self.engine.reload(list(grant.host_pages), pages[:n])
+        except BaseException:
+            self._abandon(grant.grant_id)
+            raise
+        try:
+            self._end(grant.grant_id, True, time.perf_counter() - t0)
+        except Exception as exc:  # the pages are on the device: the sidecar's hold ends with its lease
+            log.warning("reload copied %d pages, but ending its grant failed: %s", n, exc)
+        return TransferResult(grant.statuses, nbytes)
+
+    def _checked(self, keys: Sequence[bytes], device_pages: Sequence[int]) -> list[int]:
+        """Raises ValueError, before anything is granted, for pages that do not match keys."""
+        pages = list(device_pages)
+        if len(pages) != len(keys):
+            raise ValueError(f"got {len(keys)} keys but {len(pages)} device pages")
+        self.engine.check_device_pages(pages)
+        return [int(p) for p in pages]
+
+    def _abandon(self, grant_id: str) -> None:
+        try:
+            self._end(grant_id, False, 0.0)
+        except Exception as exc:  # the grant ends with its time or the pool's lease
+            log.warning("could not end copy grant %s after a failed copy: %s", grant_id, exc)
+
+    def close(self) -> None:
+        """Unmap the host pool (the engine's memory stays the engine's)."""
+        self.engine.close()
+        self.host.close()
