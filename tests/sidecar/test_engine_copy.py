@@ -5,7 +5,6 @@ that dies mid-copy leaves nothing visible and nothing held."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from sidecar_util import filled_device, keys_for, make_service, mimo_full
 from sidecar_util import start_in_process as start
 
 from hicache.api import KeyStatus, Tier
-from hicache.client import HiCacheClient, HiCacheRpcError
+from hicache.client import HiCacheClient
 from hicache.memory import MemoryHandle, local_buffer
 from hicache.pools import DeviceKVPool
 from hicache.sidecar.errors import UnknownId
