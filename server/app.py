@@ -11,6 +11,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from types import FrameType
@@ -73,7 +74,19 @@ class HiCacheServer:
         self._reaper.start()
 
     def _reap(self, interval: float) -> None:
+        """Release the pools whose lease ran out, every `interval` s. A lease measures the
+        engine's silence, not the sidecar's: a tick that comes late by more than an interval
+        (and a second) means this process was not running (SIGSTOP, CPU starvation, a paused
+        VM) while renewals queued up, so every lease is extended by that time and this tick
+        reaps nothing, leaving the queued KeepAlives to be read first."""
+        last = time.monotonic()
         while not self._stopped.wait(interval):
+            now = time.monotonic()
+            stalled, last = now - last - interval, now
+            if stalled > interval + 1.0:
+                self.service.extend_leases(stalled)
+                log.warning("the sidecar did not run for %.1f s: every lease is extended by that time", stalled)
+                continue
             for pool_id in self.service.reap_expired():
                 log.warning("lease expired: released pool %s", pool_id)
             closed = self.service.fds.expire()  # an engine that sent fds and died before registering

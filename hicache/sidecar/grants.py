@@ -107,6 +107,12 @@ class CopyGrants:
         else:
             self.cache.abort(grant.reservation)
 
+    def extend(self, seconds: float) -> None:
+        """Give every open grant `seconds` more (the sidecar was not running meanwhile)."""
+        with self._lock:
+            for grant in self._open.values():
+                grant.expires += seconds
+
     def expire(self) -> int:
         """End every grant past its time, as failed; returns how many."""
         now = self._clock()

@@ -83,6 +83,13 @@ class PoolTable:
         with self._lock:
             self._pools.pop(pool_id, None)
 
+    def extend_leases(self, seconds: float) -> None:
+        """Push every lease's deadline `seconds` later: time the sidecar was not running
+        (stopped, starved, a paused VM) is no engine's silence."""
+        with self._lock:
+            for pool_id in self._leases:
+                self._leases[pool_id] += seconds
+
     def expired(self) -> list[str]:
         """Ids of the pools whose lease ran out."""
         now = self._clock()

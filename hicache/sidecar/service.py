@@ -272,6 +272,13 @@ class HiCacheService:
         self.pool(pool_id)
         return self.config.lease_timeout_s
 
+    def extend_leases(self, seconds: float) -> None:
+        """Add `seconds` to every pool's lease (see PoolTable.extend_leases) and to its open
+        copy grants' time."""
+        self._pools.extend_leases(seconds)
+        for pool in self.pool_snapshots():
+            pool.grants.extend(seconds)
+
     def reap_expired(self) -> list[str]:
         """Release every pool whose lease ran out; returns their ids. A lease renewed after
         the list was made, by a call or KeepAlive, keeps its pool. Copy grants past their time
