@@ -161,8 +161,14 @@ def _check_len(name: str, seq: Any, layer_num: int) -> None:
         raise ValueError(f"{name} must be a list of num_hidden_layers={layer_num} entries, got {got}")
 
 
+# The largest value a config may give a size: far above any real model, far below what would
+# exhaust memory (a num_hidden_layers of 10**12 would build a list of 10**12 layer ids).
+MAX_LAYERS = 1 << 14
+MAX_SIZE = 1 << 20  # heads, head dims, latent widths, hidden_size
+
+
 def _opt_int(cfg: dict[str, Any], key: str, *, minimum: int = 1) -> int | None:
-    """cfg[key], an int >= minimum, or None where it is absent (or null)."""
+    """cfg[key], an int in [minimum, its maximum], or None where it is absent (or null)."""
     value = cfg.get(key)
     if value is None:
         return None
@@ -170,6 +176,9 @@ def _opt_int(cfg: dict[str, Any], key: str, *, minimum: int = 1) -> int | None:
         raise ValueError(f"config {key} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"config {key} must be >= {minimum}, got {value!r}")
+    maximum = MAX_LAYERS if key == "num_hidden_layers" else MAX_SIZE
+    if value > maximum:
+        raise ValueError(f"config {key} must be <= {maximum}, got {value!r}")
     return value
 
 

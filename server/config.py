@@ -108,8 +108,13 @@ def check_tls(listen: str | None, cert: str | None, key: str | None, client_ca: 
 
 def expected_geometries(model_config: str, *, tp_size: int, page_size: int, dtype: str) -> dict[str, KVGeometry]:
     """The geometry of every KV group of the model in an HF config.json. Raises ValueError, OSError."""
-    with open(model_config) as f:
-        config = json.load(f)
+    try:
+        with open(model_config) as f:
+            config = json.load(f)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ValueError(f"model config {model_config!r} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model config {model_config!r} is not a JSON object")
     return model_geometries(config, tp_size=tp_size, page_size=page_size, dtype=dtype)
 
 

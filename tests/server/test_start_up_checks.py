@@ -240,3 +240,43 @@ def test_engine_shape_flags_and_the_socket_are_checked_without_a_model_config(
         parse_args(["--socket", "/tmp/never.sock", *argv], environ={})
     message = str(exc.value)
     assert flag in message and value in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            '{"num_hidden_layers": 1000000000000, "num_attention_heads": 8, "hidden_size": 512}',
+            "num_hidden_layers must be <= 16384, got 1000000000000",
+        ),
+        (
+            '{"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 512, "head_dim": 99999999}',
+            "head_dim must be <= 1048576",
+        ),
+        (
+            '{"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 512, "num_key_value_heads": 1e30}',
+            "num_key_value_heads must be an int",
+        ),
+        ('{"num_hidden_layers": 4,', "is not valid JSON"),
+        ("[1, 2]", "is not a JSON object"),
+    ],
+    ids=["layers", "head_dim", "heads_float", "malformed", "not_an_object"],
+)
+def test_an_absurd_or_malformed_model_config_is_one_line_naming_the_field_or_file(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--socket", str(tmp_path / "hc.sock"), "--model-config", str(path)],
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    if "JSON" in message:
+        assert str(path) in lines[0]
