@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -25,7 +26,7 @@ from hicache.memory import fd_socket_path, serve_fds
 from hicache.memory.fd import FdListener
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.sidecar.service import HiCacheService
-from hicache.storage.factory import default_file_dir
+from hicache.storage.factory import default_file_dir, file_dir_problem
 
 from .auth import TokenInterceptor
 from .config import ServerConfig, build_parser, parse_args, requested_log_format
@@ -233,7 +234,9 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
     Raises ValueError for a socket already in use, or a TCP address or metrics port that
     cannot be bound (leaving no socket file behind).
     """
-    service = service or HiCacheService(config.service)
+    service = service or HiCacheService(
+        dataclasses.replace(config.service, storage_optional=config.storage_optional or config.service.storage_optional)
+    )
     metrics = Metrics(service) if config.metrics_port is not None else None
     interceptors: list[grpc.ServerInterceptor] = [metrics.interceptor] if metrics is not None else []
     if config.token:
@@ -320,6 +323,18 @@ def main(argv: list[str] | None = None) -> int:
     if h.storage_backend == "file":
         cap = h.extra_config.get("max_bytes")
         folder = h.extra_config.get("dir") or default_file_dir()
+        problem = file_dir_problem(folder)
+        if problem and not config.storage_optional:
+            announce(
+                config.log_format,
+                f"error: {problem} (the folder is --hicache-storage-backend-extra-config's dir; "
+                "--hicache-storage-optional serves from host memory without it)",
+                sys.stderr,
+                level="ERROR",
+            )
+            return 2
+        if problem:
+            log.warning("%s: the file tier is down, serving from host memory (--hicache-storage-optional)", problem)
         log.info("file tier under %s: at most %s bytes of pages per model (max_bytes in the extra config)", folder, cap)
     stray = unknown_variables(build_parser(), os.environ)
     if stray:

@@ -55,6 +55,9 @@ class ServiceConfig:
     # cheaper than its worker thread and the engine's layer waits (0: always layer by layer);
     # by default the size the engine itself copies in the calling thread
     layerwise_inline_bytes: int = LAYERED_INLINE_BYTES
+    # a storage tier that cannot be made for a pool (its folder read-only) is reported down
+    # and host memory serves, instead of the registration failing (--hicache-storage-optional)
+    storage_optional: bool = False
 
     def __post_init__(self) -> None:
         if self.io_backend not in IO_BACKENDS:

@@ -5,6 +5,7 @@ the host pool and its cache. On any failure, release what was made so far."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 from dataclasses import dataclass
 
@@ -17,7 +18,10 @@ from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
 from hicache.sidecar.events import EventBus, PoolEvents
 from hicache.sidecar.pool import RegisteredPool
 from hicache.sidecar.registration import PoolIdentity, PoolRequest, map_device, map_engine_layout
-from hicache.storage.base import StorageTier
+from hicache.storage.base import StorageTier, TierIdentity
+from hicache.storage.null import DownTier
+
+log = logging.getLogger("hicache.sidecar.service")
 
 
 @dataclass
@@ -59,9 +63,24 @@ def make_parts(req: PoolRequest, config: ServiceConfig, ipc: CudaIpcOpens, fds: 
         if req.offload_events:
             offload_events = OpenedIpcEvents(req.offload_events, req.cuda_device, "offload_event_handles")
             undo.callback(offload_events.close)
-        tier = config.hierarchy.make_tier(req.geometry, req.stored_model_id, req.namespace)
+        tier = _tier(req, config)
         undo.pop_all()
         return PoolParts(device, offload_events, tier)
+
+
+def _tier(req: PoolRequest, config: ServiceConfig) -> StorageTier:
+    """The pool's storage tier; under an optional tier, one that cannot be made (OSError: a
+    read-only or unusable folder) is a DownTier, reported down while host memory serves."""
+    h = config.hierarchy
+    try:
+        return h.make_tier(req.geometry, req.stored_model_id, req.namespace)
+    except OSError as exc:
+        if not config.storage_optional:
+            raise
+        reason = f"the {h.storage_backend} tier could not be made: {exc}"
+        log.warning("pool of %s: %s; serving from host memory (--hicache-storage-optional)", req.model_id, reason)
+        identity = TierIdentity.for_geometry(req.geometry, req.stored_model_id, req.namespace)
+        return DownTier(identity, h.storage_backend, reason)
 
 
 def build_pool(

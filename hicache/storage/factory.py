@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
+import tempfile
 import threading
 import weakref
 from collections.abc import Mapping
@@ -55,6 +56,18 @@ def _existing_ancestor(directory: str | os.PathLike[str]) -> Path:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     return probe
+
+
+def file_dir_problem(directory: str | os.PathLike[str]) -> str:
+    """Why the file tier cannot keep pages in `directory` ("" when it can): the folder is
+    created if missing and a file written and removed in it. Never raises."""
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=directory, prefix=".hicache-probe-", delete=True)
+        probe.close()
+    except OSError as exc:
+        return f"storage folder {str(directory)!r} cannot hold pages: {exc.strerror or exc}"
+    return ""
 
 
 def default_file_dir() -> Path:
@@ -154,8 +167,8 @@ def backend_reachable(backend: str, extra: Mapping[str, Any]) -> tuple[bool, str
         return (False, mismatch) if mismatch else (True, "")
     if backend == "file":
         probe = _existing_ancestor(extra.get("dir") or default_file_dir())
-        if not os.access(probe, os.W_OK):
-            return False, f"storage backend 'file': {probe} is not writable"
+        if not probe.is_dir() or not os.access(probe, os.W_OK):
+            return False, f"storage backend 'file': {probe} is not a writable folder"
     return True, ""
 
 

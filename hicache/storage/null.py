@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hicache.storage import page_format as fmt
-from hicache.storage.base import Payload, StorageTier, TierHealth, TierStats
+from hicache.storage.base import Payload, StorageTier, TierHealth, TierIdentity, TierStats
 
 
 class NullTier(StorageTier):
@@ -34,3 +34,17 @@ class NullTier(StorageTier):
 
     def _fill_stats(self, snap: TierStats) -> None:
         snap.pages, snap.bytes = 0, 0
+
+
+class DownTier(NullTier):
+    """A configured tier that could not be made (its folder is read-only, say) under an
+    optional storage tier: it stores nothing and reports itself down, so host memory serves
+    and health, stats and metrics say why."""
+
+    def __init__(self, identity: TierIdentity, backend: str, reason: str):
+        super().__init__(identity)
+        self.backend = backend
+        self.reason = reason
+
+    def health(self) -> TierHealth:
+        return TierHealth(False, self.reason)
