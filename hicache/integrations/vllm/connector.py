@@ -1,6 +1,6 @@
 """HiCacheConnector: vLLM's OffloadingConnector over hicache, with a path for failed loads.
 
-vLLM 0.33's OffloadingConnector asserts that every transfer job succeeds, so a load the
+vLLM's OffloadingConnector (0.32 and 0.33) asserts that every transfer job succeeds, so a load the
 sidecar cannot serve (it died, or restarted, between the lookup and the load) kills the
 worker. vLLM's scheduler does have a path for it, which that connector does not use: a
 request waiting on a load that failed is reported in `failed_recving`, and the blocks of a
@@ -29,6 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, K
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.outputs import KVConnectorOutput
 
+from hicache.integrations.vllm import compat
+from hicache.integrations.vllm.manager import HiCacheOffloadingManager
 from hicache.integrations.vllm.worker import HiCacheOffloadingWorker
 
 if TYPE_CHECKING:
@@ -48,6 +50,11 @@ class HiCacheConnector(OffloadingConnector):  # type: ignore[misc]
                     f"offloading spec ({value!r}); leave {key} out, or use vLLM's OffloadingConnector"
                 )
         groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        if not compat.SYNC_LOADS and int(extra.get("sync_load_budget_bytes") or 0) > 0:
+            raise ValueError(
+                f"kv_connector_extra_config sync_load_budget_bytes={extra['sync_load_budget_bytes']!r}: vLLM "
+                f"{compat.VERSION} has no sync loads (vLLM 0.33 added them); leave sync_load_budget_bytes out"
+            )
         if groups > 1 and int(extra.get("sync_load_budget_bytes") or 0) > 0:
             raise ValueError(
                 f"kv_connector_extra_config sync_load_budget_bytes={extra['sync_load_budget_bytes']!r}: this "
@@ -77,7 +84,7 @@ class HiCacheConnector(OffloadingConnector):  # type: ignore[misc]
             raise ImportError(
                 "HiCacheConnector reads which request each load job serves from vLLM's "
                 "OffloadingConnectorWorker._load_jobs, which this vLLM lacks: install the vLLM "
-                "the adapter is tested with (hicache.integrations.vllm.TESTED), or use vLLM's "
+                "the adapter supports (hicache.integrations.vllm.SUPPORTED), or use vLLM's "
                 "OffloadingConnector (a failed load then stops the worker)"
             )
         self._hicache_worker.report_failed_loads()
@@ -87,7 +94,7 @@ class HiCacheConnector(OffloadingConnector):  # type: ignore[misc]
         finished_recving too, as vLLM asks); the blocks of failed sync loads go to
         get_block_ids_with_load_errors() in the same step."""
         assert self.connector_worker is not None
-        waiting_on = dict(self.connector_worker._load_jobs)  # job id -> request id (None: a sync load)
+        waiting_on = dict(self.connector_worker._load_jobs)  # job id -> request id (None: a 0.33 sync load)
         sending, recving = self.get_finished(finished_req_ids)
         failed: set[str] = set()
         for job_id, blocks in self._hicache_worker.take_failed_loads().items():
@@ -113,6 +120,7 @@ class HiCacheConnector(OffloadingConnector):  # type: ignore[misc]
             return
         assert self.connector_scheduler is not None
         manager = self.connector_scheduler.manager
+        assert isinstance(manager, HiCacheOffloadingManager)
         with manager.lock:  # before vLLM completes the loads (and they are forgotten)
             keys = manager.loading(failed or ())
         super().update_connector_output(connector_output)

