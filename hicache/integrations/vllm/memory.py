@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from hicache.memory import MemoryHandle, shared_file_of
+from hicache.memory import MemoryHandle, SharedBuffer, shared_file_of, wrap_tensor
 from hicache.pools.layouts import block_layout_name
 
 
@@ -22,7 +22,8 @@ from hicache.pools.layouts import block_layout_name
 class GroupMemory:
     """One group's blocks: num_blocks blocks in the BlockLayout `layout`, in CPU memory behind
     `fd` (the caller sends it, and closes it at the end) of `nbytes`, or (fd -1) in vLLM's
-    CUDA allocation exported as `cuda` on device `cuda_device`."""
+    CUDA allocation exported as `cuda` on device `cuda_device`, or (fd -1) in memory the
+    sidecar cannot map, `private`: the worker copies itself (copy path "engine")."""
 
     fd: int
     nbytes: int
@@ -30,6 +31,7 @@ class GroupMemory:
     layout: str
     cuda: MemoryHandle | None = None
     cuda_device: int = 0
+    private: SharedBuffer | None = field(default=None, repr=False)
 
     def handle(self, fd_id: str) -> MemoryHandle:
         return self.cuda if self.cuda is not None else MemoryHandle("fd", self.nbytes, name=fd_id)
@@ -58,7 +60,10 @@ def group_memory(views: Sequence[torch.Tensor], group: int, packed_layer_bytes: 
         raise ValueError(f"vLLM group {group}: layers lie in descending addresses")
     if first.is_cuda:
         return _cuda_memory(views, group, layer_stride, block_stride)
-    head = shared_file_of(addrs[0])
+    try:
+        head = shared_file_of(addrs[0])
+    except ValueError:  # vLLM's CPU worker allocates its KV cache with torch.zeros
+        return private_memory(views, group, layer_stride, block_stride)
     try:
         last = shared_file_of(addrs[-1])
         same = (
@@ -71,6 +76,19 @@ def group_memory(views: Sequence[torch.Tensor], group: int, packed_layer_bytes: 
     except BaseException:
         os.close(head.fd)
         raise
+
+
+def private_memory(views: Sequence[torch.Tensor], group: int, layer_stride: int, block_stride: int) -> GroupMemory:
+    """The views' one allocation (a torch storage) as a buffer of this process, for the copy
+    path "engine". Raises ValueError for layers in several allocations."""
+    storage = views[0].untyped_storage()
+    if any(v.untyped_storage().data_ptr() != storage.data_ptr() for v in views):
+        raise ValueError(f"vLLM group {group}: its layers are not in one allocation")
+    flat = torch.empty(0, dtype=torch.uint8, device=views[0].device)
+    flat.set_(storage, 0, (storage.nbytes(),), (1,))
+    offset = views[0].data_ptr() - storage.data_ptr()
+    layout = block_layout_name(offset, layer_stride, block_stride)
+    return GroupMemory(-1, flat.numel(), views[0].shape[0], layout, private=wrap_tensor(flat))
 
 
 def _cuda_memory(views: Sequence[torch.Tensor], group: int, layer_stride: int, block_stride: int) -> GroupMemory:

@@ -118,13 +118,34 @@ def test_after_a_sidecar_restart_the_worker_registers_again_and_the_scheduler_fo
         proc.wait(timeout=60)
 
 
-def test_memory_the_sidecar_cannot_map_stops_start_up_with_the_fix(tmp_path: Path, sockdir: str) -> None:
+def test_private_memory_is_copied_by_the_worker_bit_exact(tmp_path: Path, sockdir: str) -> None:
+    """vLLM's CPU worker allocates its KV cache with torch.zeros, which the sidecar cannot
+    map: the worker maps the sidecar's host pool and copies itself (copy path "engine")."""
     proc, target = qwen_sidecar(sockdir)
     try:
         vc = vllm_config(model_dir(tmp_path, "qwen3_8b"), target)
-        eng = make_engine(vc, [(attention_spec(vc), layer_names(36))], num_blocks=4, memfd=False)
-        with pytest.raises(ValueError, match="private memory.*memfd or /dev/shm"):
-            start_worker(eng)
+        eng = make_engine(vc, [(attention_spec(vc), layer_names(36))], num_blocks=8, memfd=False)
+        fill(eng, seed=3)
+        start_worker(eng)
+        manager = eng.spec.get_manager()
+        try:
+            link = eng.worker.links[0]
+            assert link.memory.private is not None and link.memory.fd == -1
+            (stats,) = eng.worker.client.stats(link.pool_id)
+            assert stats.copy_path == "engine"
+            keys = chunk_keys(2, seed=7)
+            want = blocks_of(eng, [1, 2])
+            before = eng.raw.clone()
+            assert store(eng, manager, keys, [1, 2], job=1).success
+            assert torch.equal(eng.raw, before)  # the store read vLLM's blocks, wrote nothing there
+            assert resolve(manager, keys)[2:] == [LookupResult.HIT] * 2
+            eng.raw.zero_()
+            assert load(eng, manager, keys, [5, 6], job=2).success
+            assert all(torch.equal(a, b) for a, b in zip(want, blocks_of(eng, [5, 6]), strict=True))
+            assert not blocks_of(eng, [1])[0].any()  # only the load's blocks were written
+        finally:
+            manager.shutdown()
+            eng.close()
     finally:
         proc.terminate()
         proc.wait(timeout=60)
