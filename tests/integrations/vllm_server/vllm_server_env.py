@@ -1,0 +1,180 @@
+"""vLLM's real OpenAI server as a subprocess, and a client for token-id prompts.
+
+The server runs from .venv-vllm-cpu (`make vllm-cpu-env`: vllm-cpu 0.32.0, whose engine runs
+on this CPU machine), or from $HICACHE_VLLM_SERVER_PYTHON. `vllm serve` does not start from
+vllm-cpu (it reads the version of a distribution named "vllm"); `python -m
+vllm.entrypoints.openai.api_server` does. Without a tokenizer, prompts are token-id lists
+and `"return_token_ids": true` gives the output ids.
+
+vLLM's prefix-cache counters on /metrics (summed over labels by metrics()):
+- vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total: prompt tokens looked up in,
+  and found in, the engine's own KV cache;
+- vllm:external_prefix_cache_queries_total, vllm:external_prefix_cache_hits_total: the same
+  for the KV connector (hicache under HiCacheConnector);
+- vllm:prompt_tokens_by_source_total{source=...} and
+  vllm:prompt_tokens_cached_by_source_total{source=...}: prompt tokens by where they came
+  from (e.g. source="external_kv_transfer").
+With --enable-prompt-tokens-details, a completion's usage.prompt_tokens_details.cached_tokens
+says it per request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+SERVER_PYTHON = os.environ.get("HICACHE_VLLM_SERVER_PYTHON") or str(ROOT / ".venv-vllm-cpu" / "bin" / "python")
+NEEDED = "vLLM's server is not importable: run `make test-vllm-cpu` (it builds .venv-vllm-cpu with `make vllm-cpu-env`)"
+
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def require_vllm_server(python: str = SERVER_PYTHON) -> str:
+    """`python`, once it imports vLLM's OpenAI server; else a skip of the module, or a failure
+    where HICACHE_REQUIRE_ENGINES names vllm-server (`make test-vllm-cpu`). Not plain "vllm":
+    `make test-vllm` requires that, and its .venv-vllm (vLLM --no-deps) cannot serve."""
+    try:
+        probe = subprocess.run(
+            [python, "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True, text=True, timeout=300
+        )
+        why = probe.stderr.strip().splitlines()[-1:] if probe.returncode else None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        why = [str(exc)]
+    if why is not None:
+        message = f"{NEEDED} ({python}: {why[0] if why else 'failed'})"
+        if "vllm-server" in os.environ.get("HICACHE_REQUIRE_ENGINES", "").split(","):
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message, allow_module_level=True)
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class VllmServer:
+    """One running server: `url` is http://127.0.0.1:<port>, `log` its stdout and stderr."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    model: str
+    log: Path
+    started_s: float = 0.0  # seconds from launch to a healthy /health
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+        request = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return json.loads(reply.read())  # type: ignore[no-any-return]
+
+    def complete(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
+        """The greedy output ids for a token-id prompt."""
+        return self.completion(prompt, max_tokens)["choices"][0]["token_ids"]  # type: ignore[no-any-return]
+
+    def completion(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        """vLLM's whole /v1/completions answer (usage, prompt_token_ids, ...)."""
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        return self.post("/v1/completions", body)
+
+    def metrics(self) -> dict[str, float]:
+        """Every /metrics sample, summed over its labels, by name."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                name = name.split("{", 1)[0]
+                out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace").replace("\r", "\n")
+        return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGINT (vLLM shuts its engine down), then SIGKILL to the server's process group
+        (the engine core and worker processes too) after grace_s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+
+def start_vllm_server(
+    model: str,
+    log: Path,
+    *,
+    blocks: int,
+    block_size: int = 32,
+    max_model_len: int = 256,
+    kv_cache_memory_bytes: int = 16 << 20,
+    kv_transfer_config: dict[str, Any] | None = None,
+    python: str = SERVER_PYTHON,
+    timeout_s: float = 300.0,
+    extra: tuple[str, ...] = (),
+) -> VllmServer:
+    """vLLM's OpenAI server for `model` (a folder) on a free loopback port, once /health
+    answers. `blocks` KV blocks (num_gpu_blocks_override; one is vLLM's null block), so a
+    prompt of more than (blocks - 1) * block_size tokens in flight evicts. Raises
+    RuntimeError, with the log's tail, when the server exits or is not healthy in time."""
+    port = free_port()
+    args = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--host", "127.0.0.1", "--port", str(port),
+        "--skip-tokenizer-init", "--load-format", "auto", "--enforce-eager", "--dtype", "bfloat16",
+        "--block-size", str(block_size), "--num-gpu-blocks-override", str(blocks),
+        "--kv-cache-memory-bytes", str(kv_cache_memory_bytes), "--max-model-len", str(max_model_len),
+        "--enable-prefix-caching", "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    if kv_transfer_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    start = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*args, *extra], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = VllmServer(proc, f"http://127.0.0.1:{port}", model, log)
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{server.tail()}")
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=5) as reply:
+                if reply.status == 200:
+                    server.started_s = time.monotonic() - start
+                    return server
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"vLLM's server was not healthy after {timeout_s:.0f} s:\n{server.tail()}")
