@@ -90,17 +90,13 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
     # ---- registration --------------------------------------------------------------------------
     def _register(self, link: GroupLink) -> None:
-        p = self.config.parallel
-        if link.memory.private is not None:
-            self._register_engine_copy(link)
-            return
-        (fd_id,) = self.client.send_fds([link.memory.fd]) if link.memory.cuda is None else ("",)
-        info = self.client.register_memory(
-            link.geometry,
-            link.memory.num_blocks,
-            link.memory.handle(fd_id),
-            device_layout=link.memory.layout,
-            cuda_device=link.memory.cuda_device,
+        """Register one group's memory: vLLM's file (its fd) or CUDA allocation, which the
+        sidecar maps; or memory it cannot map (vLLM's CPU worker allocates its KV cache
+        privately), registered with the copy path "engine": this worker maps the sidecar's
+        host pool and copies itself. That choice is logged once, as a warning, since vLLM
+        shows only its own loggers' INFO lines."""
+        p, m = self.config.parallel, link.memory
+        common: dict[str, Any] = dict(
             namespace=self.options.namespace,
             model_id=self.model_id,
             group=link.name,
@@ -108,30 +104,25 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             tp_rank=p.rank,
             tp_size=p.world_size,
         )
-        link.pool_id, link.secret = info.pool_id, info.secret
-
-    def _register_engine_copy(self, link: GroupLink) -> None:
-        """Register a group whose memory the sidecar cannot map (vLLM's CPU worker allocates
-        it privately): this worker maps the sidecar's host pool and copies itself."""
-        assert link.memory.private is not None
-        if not link.pool_id:  # the first registration, not one after a sidecar restart
-            log.info(
-                "hicache: vLLM's KV cache of group %s is in private memory; this worker copies it (copy path 'engine')",
-                link.name,
+        if m.private is not None:
+            if not link.pool_id:  # the first registration, not one after a sidecar restart
+                log.warning(
+                    "hicache: vLLM's KV cache (group %s) is in private memory: this worker copies it (copy path 'engine')",
+                    link.name,
+                )
+            info = self.client.register_engine_copy(
+                link.geometry, m.num_blocks, m.private, device_layout=m.layout, **common
             )
-        p = self.config.parallel
-        info = self.client.register_engine_copy(
-            link.geometry,
-            link.memory.num_blocks,
-            link.memory.private,
-            device_layout=link.memory.layout,
-            namespace=self.options.namespace,
-            model_id=self.model_id,
-            group=link.name,
-            key_hash=KEY_HASH,
-            tp_rank=p.rank,
-            tp_size=p.world_size,
-        )
+        else:
+            (fd_id,) = self.client.send_fds([m.fd]) if m.cuda is None else ("",)
+            info = self.client.register_memory(
+                link.geometry,
+                m.num_blocks,
+                m.handle(fd_id),
+                device_layout=m.layout,
+                cuda_device=m.cuda_device,
+                **common,
+            )
         link.pool_id, link.secret = info.pool_id, info.secret
 
     def _publish(self) -> None:
