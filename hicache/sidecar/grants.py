@@ -24,10 +24,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hicache.api import CopyGrant, KeyStatus
+from hicache.api import CopyGrant
 from hicache.cache.results import Reservation
 from hicache.cache.tiering import HierarchicalCache
 from hicache.sidecar.errors import UnknownId
+from hicache.sidecar.operations import offload_statuses, reload_statuses
 
 
 @dataclass
@@ -57,9 +58,7 @@ class CopyGrants:
         page, then commit), DEDUPLICATED (held or being filled), NO_SPACE (no room)."""
         res = self.cache.reserve(keys, partial=True)
         assert res is not None
-        status = {k: KeyStatus.STORED for k, _ in res.new}
-        status.update({k: KeyStatus.NO_SPACE for k in res.refused})
-        statuses = tuple(status.get(k, KeyStatus.DEDUPLICATED) for k in keys)
+        statuses = offload_statuses(res, keys)
         if not res.new:
             self.cache.abort(res)  # nothing reserved: nothing to keep open
             return CopyGrant(statuses, (), "", 0.0)
@@ -71,12 +70,8 @@ class CopyGrants:
         keys are fetched into host first): LOADED / LOADED_FROM_STORAGE, then NOT_FOUND from
         the first gap on. The engine copies each granted page from its host page."""
         loaded = self.cache.load(keys)
-        n = len(loaded.keys)
-        statuses = tuple(
-            [KeyStatus.LOADED if src == "host" else KeyStatus.LOADED_FROM_STORAGE for src in loaded.sources]
-            + [KeyStatus.NOT_FOUND] * (len(keys) - n)
-        )
-        if not n:
+        statuses = reload_statuses(loaded, len(keys))
+        if not loaded.keys:
             return CopyGrant(statuses, (), "", 0.0)
         grant = _Grant(False, list(loaded.keys), self._clock() + self.ttl_s)
         return CopyGrant(statuses, tuple(loaded.pages), self._add(grant), self.ttl_s)

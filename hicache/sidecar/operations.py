@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from hicache.api import KeyStatus, OpEvent
 from hicache.cache.prefetch import PrefetchHandle
+from hicache.cache.results import LoadResult, Reservation
 from hicache.sidecar.errors import UnknownId
 from hicache.transfer.progress import FAILED, ProgressWords
 
@@ -153,6 +154,21 @@ class PrefetchTable:
 
     def find(self, op_id: str) -> PrefetchHandle | None:
         return self._handles.get(op_id)
+
+
+def offload_statuses(res: Reservation, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
+    """Each key's offload answer from its reservation: STORED (reserved for it), NO_SPACE (no
+    room left), DEDUPLICATED (on host already, or being filled)."""
+    status = {k: KeyStatus.STORED for k, _ in res.new}
+    status.update({k: KeyStatus.NO_SPACE for k in res.refused})
+    return tuple(status.get(k, KeyStatus.DEDUPLICATED) for k in keys)
+
+
+def reload_statuses(loaded: LoadResult, n_keys: int) -> tuple[KeyStatus, ...]:
+    """Each of n_keys keys' reload answer: LOADED or LOADED_FROM_STORAGE for the loaded
+    prefix, NOT_FOUND from the first gap on."""
+    hits = [KeyStatus.LOADED if src == "host" else KeyStatus.LOADED_FROM_STORAGE for src in loaded.sources]
+    return tuple(hits + [KeyStatus.NOT_FOUND] * (n_keys - len(hits)))
 
 
 def prefetch_statuses(

@@ -33,7 +33,15 @@ from hicache.sidecar.errors import StateError
 from hicache.sidecar.events import PoolEvents
 from hicache.sidecar.grants import CopyGrants
 from hicache.sidecar.layer_events import LayerEvents
-from hicache.sidecar.operations import Operation, OperationTable, PrefetchTable, copy_layers, prefetch_statuses
+from hicache.sidecar.operations import (
+    Operation,
+    OperationTable,
+    PrefetchTable,
+    copy_layers,
+    offload_statuses,
+    prefetch_statuses,
+    reload_statuses,
+)
 from hicache.sidecar.pool_stats import Counters, pool_stats
 from hicache.sidecar.progress_block import ProgressBlock
 from hicache.sidecar.registration import PoolIdentity
@@ -98,12 +106,9 @@ class RegisteredPool:
         # where layer-wise reloads publish their layers for the engine (the native CPU path)
         self.progress = ProgressBlock() if self.engine is not None and self.engine.backend == "native" else None
         # CUDA pools: the layer events layer-wise reloads record for the engine's stream
-        on_cuda = device is not None and bool(device.flat.is_cuda)
-        self.layer_events = (
-            LayerEvents(self.geometry.layer_num, device.flat.device.index or 0)
-            if device is not None and on_cuda
-            else None
-        )
+        self.layer_events: LayerEvents | None = None
+        if device is not None and device.flat.is_cuda:
+            self.layer_events = LayerEvents(self.geometry.layer_num, device.flat.device.index or 0)
         self.offload_events = offload_events
         self.layerwise_inline_bytes = layerwise_inline_bytes
         self.events = events
@@ -180,7 +185,6 @@ class RegisteredPool:
         map can only be asked this."""
         ks = self.check_keys(keys, unique=True)
         with self._in_flight():
-            self.grants.expire()
             grant = self.grants.offload(ks) if offload else self.grants.reload(ks)
         if offload:
             with self.lock:
@@ -235,9 +239,7 @@ class RegisteredPool:
             raise
         self.cache.commit(res)
         seconds = time.perf_counter() - t0
-        status = {k: KeyStatus.STORED for k, _ in res.new}
-        status.update({k: KeyStatus.NO_SPACE for k in res.refused})
-        statuses = tuple(status.get(k, KeyStatus.DEDUPLICATED) for k in ks)
+        statuses = offload_statuses(res, ks)
         with self.lock:
             c = self.counters
             c.offload_bytes += nbytes
@@ -269,10 +271,7 @@ class RegisteredPool:
         with self.lock:
             self._ops.add(op)
         n = len(loaded.keys)
-        statuses = tuple(
-            [KeyStatus.LOADED if src == "host" else KeyStatus.LOADED_FROM_STORAGE for src in loaded.sources]
-            + [KeyStatus.NOT_FOUND] * (len(ks) - n)
-        )
+        statuses = reload_statuses(loaded, len(ks))
         args = (op, loaded.keys, loaded.pages, pages[:n])
         nbytes = n * self.geometry.page_bytes
         if layerwise and self.progress is not None and nbytes < self.layerwise_inline_bytes:

@@ -118,10 +118,6 @@ class PoolTable:
             self.closed = True
             return list(self._pools)
 
-    def host_shm_names(self) -> set[str]:
-        with self._lock:
-            return {p.host.handle.name for p in self._pools.values()}
-
     def check_integrity(self) -> list[RegisteredPool]:
         with self._lock:
             assert set(self._pools) == set(self._leases)

@@ -133,8 +133,6 @@ class HiCacheService:
         refusal = self._pools.refusal()
         if refusal:
             return self._refuse(refusal)
-        if req.device_memory.kind == "shm" and req.device_memory.name in self._pools.host_shm_names():
-            raise ValueError(f"device memory {req.device_memory.name!r} is one of this sidecar's host pools")
         from hicache.sidecar.pool_factory import make_parts  # torch: loaded with the first pool
 
         with contextlib.ExitStack() as undo:
