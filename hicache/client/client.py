@@ -224,11 +224,14 @@ class HiCacheClient:
         cuda_device: int = 0,
         tp_rank: int = 0,
         tp_size: int = 1,
+        wait: bool = True,
     ) -> RegisteredPool:
         """register() for memory the engine lays out itself: num_pages pages of `geometry` in
         `memory` (shm by name, or kind "fd" with the ids send_fds returned), laid out as
         `device_layout` (an EngineLayout name, e.g. "sglang_page_first"; "" is hicache's
-        layer_first). The sidecar then copies straight from and to the engine's pages."""
+        layer_first). The sidecar then copies straight from and to the engine's pages.
+        `wait`: wait up to the deadline for a sidecar that is not up yet (False: a sidecar
+        that is down fails the call at once with UNAVAILABLE)."""
         if not isinstance(namespace, str):
             raise ValueError(f"namespace must be a str, got {type(namespace).__name__}")
         # a CUDA pool's offloads wait for the caller's stream on the GPU, through these events
@@ -248,7 +251,7 @@ class HiCacheClient:
             offload_event_handles=events.offload.handles if events is not None else [],
         )
         try:
-            r = self._call(self._stub.RegisterPool, request, wait=True)
+            r = self._call(self._stub.RegisterPool, request, wait=wait)
         except BaseException:
             if events is not None:
                 events.close()
@@ -293,6 +296,7 @@ class HiCacheClient:
         key_hash: HashName = "sha256",
         tp_rank: int = 0,
         tp_size: int = 1,
+        wait: bool = True,
     ) -> RegisteredPool:
         """register_memory() for memory the sidecar cannot map (a private allocation, a CUDA
         pool that cannot be exported): num_pages pages of `geometry` in `memory`, laid out as
@@ -314,6 +318,7 @@ class HiCacheClient:
             key_hash=key_hash,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            wait=wait,
         )
         pool_id = info.pool_id
         try:
@@ -533,6 +538,13 @@ class HiCacheClient:
     def unpin(self, keys: Sequence[bytes], *, pool: PoolRef = None) -> tuple[KeyStatus, ...]:
         req = pb.UnpinRequest(request_id=self._rid(), pool_id=self._pool_id(pool), keys=list(keys))
         return convert.statuses_from_pb(self._call(self._stub.Unpin, req, pool=req.pool_id).statuses)
+
+    def keep_alive(self, pool: PoolRef = None) -> None:
+        """Renew one of this client's pools' lease now (the keep-alive thread does it every
+        lease/3). Raises HiCacheRpcError: NOT_FOUND once the sidecar forgot the pool (it
+        restarted, or the lease ran out), UNAVAILABLE at once while it is down."""
+        pool_id = self._pool(pool).pool_id
+        self._call(self._stub.KeepAlive, pb.KeepAliveRequest(pool_id=pool_id), retry=False, pool=pool_id)
 
     def stats(self, pool: PoolRef = None, *, all_pools: bool = False) -> list[PoolStats]:
         """Stats of one of this client's pools (default: the default pool), or of every pool on

@@ -44,6 +44,10 @@ LOADED = (KeyStatus.LOADED, KeyStatus.LOADED_FROM_STORAGE)
 KEPT = (KeyStatus.STORED, KeyStatus.DEDUPLICATED)
 
 
+class NotLinked(ConnectionError):
+    """A transfer on a group that has no sidecar pool: the sidecar was down when it registered."""
+
+
 @dataclass
 class GroupLink:
     """One group's sidecar pool."""
@@ -51,8 +55,9 @@ class GroupLink:
     name: str
     geometry: KVGeometry
     memory: GroupMemory
-    pool_id: str = ""
+    pool_id: str = ""  # "" while not registered (the sidecar was down)
     secret: str = field(default="", repr=False)
+    announced: bool = False  # its copy path has been logged
 
 
 class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
@@ -69,15 +74,23 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self.client = HiCacheClient(options.target, token=options.token, timeout=options.timeout_s)
         self.links: list[GroupLink] = []
         self._lock = threading.Lock()
+        self._down = False  # a call failed for want of the sidecar; it was logged once
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
         try:
             for g, (refs, (geometry, packed, name)) in enumerate(
                 zip(kv_caches.group_data_refs, geometries, strict=True)
             ):
                 views = [kv_caches.tensors[r.tensor_idx].tensor for r in refs]
                 self.links.append(GroupLink(name, geometry, group_memory(views, g, packed)))
-            for link in self.links:
-                self._register(link)
-            self._publish()
+            try:
+                for link in self.links:
+                    self._register(link)
+                self._publish()
+            except (HiCacheRpcError, OSError) as exc:
+                if not _sidecar_down(exc):
+                    raise
+                self._went_down(exc, starting=True)
         except BaseException:
             self.shutdown()
             raise
@@ -87,14 +100,18 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._jobs: dict[int, Future[tuple[TransferResult, list[int]]]] = {}
         self._reports_failed_loads = False
         self._failed_loads: dict[int, list[int]] = {}  # job id -> GPU blocks it did not load
+        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="hicache-watchdog")
+        self._watchdog.start()
 
     # ---- registration --------------------------------------------------------------------------
-    def _register(self, link: GroupLink) -> None:
+    def _register(self, link: GroupLink, *, wait: bool = True) -> None:
         """Register one group's memory: vLLM's file (its fd) or CUDA allocation, which the
         sidecar maps; or memory it cannot map (vLLM's CPU worker allocates its KV cache
         privately), registered with the copy path "engine": this worker maps the sidecar's
         host pool and copies itself. That choice is logged once, as a warning, since vLLM
-        shows only its own loggers' INFO lines."""
+        shows only its own loggers' INFO lines. `wait`: wait up to timeout_s for a sidecar
+        that is not up (start-up); else a sidecar that is down fails at once. Raises
+        HiCacheRpcError or OSError."""
         p, m = self.config.parallel, link.memory
         common: dict[str, Any] = dict(
             namespace=self.options.namespace,
@@ -105,14 +122,14 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             tp_size=p.world_size,
         )
         if m.private is not None:
-            if not link.pool_id:  # the first registration, not one after a sidecar restart
+            info = self.client.register_engine_copy(
+                link.geometry, m.num_blocks, m.private, device_layout=m.layout, wait=wait, **common
+            )
+            if not link.announced:  # the first registration, not one after a sidecar restart
                 log.warning(
                     "hicache: vLLM's KV cache (group %s) is in private memory: this worker copies it (copy path 'engine')",
                     link.name,
                 )
-            info = self.client.register_engine_copy(
-                link.geometry, m.num_blocks, m.private, device_layout=m.layout, **common
-            )
         else:
             (fd_id,) = self.client.send_fds([m.fd]) if m.cuda is None else ("",)
             info = self.client.register_memory(
@@ -121,9 +138,10 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 m.handle(fd_id),
                 device_layout=m.layout,
                 cuda_device=m.cuda_device,
+                wait=wait,
                 **common,
             )
-        link.pool_id, link.secret = info.pool_id, info.secret
+        link.pool_id, link.secret, link.announced = info.pool_id, info.secret, True
 
     def _publish(self) -> None:
         pools = {g: (link.pool_id, link.secret) for g, link in enumerate(self.links)}
@@ -131,20 +149,89 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
     def _call_pool(self, link: GroupLink, fn: str, keys: list[bytes], blocks: list[int]) -> tuple[KeyStatus, ...]:
         """client.offload/reload on the link's pool; a pool the sidecar forgot (it restarted)
-        is registered again, published, and the call made once more."""
+        is registered again, published, and the call made once more. Raises HiCacheRpcError,
+        or NotLinked while the link has no pool and the sidecar is still down."""
         pool_id = link.pool_id
-        try:
-            return getattr(self.client, fn)(keys, blocks, pool=pool_id).statuses  # type: ignore[no-any-return]
-        except HiCacheRpcError as exc:
-            if exc.code.name != "NOT_FOUND" or "pool" not in exc.details:
-                raise
-        with self._lock:
-            if link.pool_id == pool_id:
-                self.client.forget(pool_id)  # or the client would keep its secret and renew its lease
-                self._register(link)
-                self._publish()
-                log.warning("hicache sidecar lost pool %s (restarted?); registered again as %s", pool_id, link.pool_id)
+        if pool_id:
+            try:
+                statuses = getattr(self.client, fn)(keys, blocks, pool=pool_id).statuses
+                self._went_up()
+                return statuses  # type: ignore[no-any-return]
+            except HiCacheRpcError as exc:
+                if not _forgotten(exc):
+                    raise
+        if not self._relink(link, pool_id):
+            raise NotLinked(f"group {link.name} is not registered with the sidecar (it was down)")
         return getattr(self.client, fn)(keys, blocks, pool=link.pool_id).statuses  # type: ignore[no-any-return]
+
+    def _relink(self, link: GroupLink, stale: str) -> bool:
+        """Register the link again in place of `stale` (its pool id the sidecar forgot, or ""),
+        unless another thread did meanwhile, and publish once every link has a pool. Fails at
+        once (False) while the sidecar is down; other errors raise."""
+        with self._lock:
+            if link.pool_id != stale:
+                return bool(link.pool_id)
+            if stale:
+                self.client.forget(stale)  # or the client would keep its secret and renew its lease
+                link.pool_id = link.secret = ""
+            try:
+                self._register(link, wait=False)
+            except (HiCacheRpcError, OSError) as exc:
+                if not _sidecar_down(exc):
+                    raise
+                self._went_down(exc)
+                return False
+            if all(other.pool_id for other in self.links):
+                self._publish()
+            was = f"lost pool {stale} (restarted?)" if stale else "answers"
+            log.warning("hicache sidecar %s; group %s registered as pool %s", was, link.name, link.pool_id)
+            self._went_up()
+            return True
+
+    def _watch(self) -> None:
+        """Every retry_s: register the links that have no pool (the sidecar was down), or
+        whose pool the sidecar forgot (it restarted), so that lookups find this worker's pools
+        again even when vLLM sends no transfer (its scheduler refuses stores while lookups fail)."""
+        while not self._stop.wait(self.options.retry_s):
+            for link in self.links:
+                pool_id = link.pool_id
+                try:
+                    if pool_id:
+                        self.client.keep_alive(pool_id)
+                        continue
+                except HiCacheRpcError as exc:
+                    if not _forgotten(exc):
+                        if _sidecar_down(exc):
+                            self._went_down(exc)
+                        continue
+                except KeyError:  # another thread is registering it again
+                    continue
+                try:
+                    self._relink(link, pool_id)
+                except Exception as exc:
+                    log.warning("hicache: registering group %s with the sidecar failed: %s", link.name, exc)
+
+    def _went_down(self, exc: Exception, *, starting: bool = False) -> None:
+        """Log the first failure of an outage (one line); later ones only at debug level."""
+        if self._down:
+            log.debug("hicache sidecar still down: %s", exc)
+            return
+        self._down = True
+        if starting:
+            log.warning(
+                "hicache: the sidecar %s does not answer (%s): vLLM serves without it, and this worker registers "
+                "when it answers (asked every %.0f s)",
+                self.options.target,
+                _short(exc),
+                self.options.retry_s,
+            )
+        else:
+            log.warning(
+                "hicache sidecar %s failed (%s): serving without it until it answers", self.options.target, _short(exc)
+            )
+
+    def _went_up(self) -> None:
+        self._down = False
 
     # ---- transfers -----------------------------------------------------------------------------
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -202,7 +289,10 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                         )
         except Exception as exc:
             missed += [b for n, m in enumerate(moves) for b in m.blocks[answered[n] :]]
-            log.warning("hicache %s job %d failed: %s", "store" if store else "load", job_id, exc)
+            if _sidecar_down(exc):
+                self._went_down(exc)
+            else:
+                log.warning("hicache %s job %d failed: %s", "store" if store else "load", job_id, exc)
         if store:
             return TransferResult(job_id, True, nbytes, time.perf_counter() - start), []
         return TransferResult(job_id, not missed, nbytes, time.perf_counter() - start), missed
@@ -236,6 +326,9 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 future.exception()  # waits; _run never raises
 
     def shutdown(self) -> None:
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join()
         for pool in (getattr(self, name, None) for name in ("_stores", "_loads", "_expedited")):
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -245,6 +338,25 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 os.close(link.memory.fd)
                 link.memory = GroupMemory(-1, link.memory.nbytes, link.memory.num_blocks, link.memory.layout)
         self.client.close()
+
+
+def _sidecar_down(exc: BaseException) -> bool:
+    """Whether `exc` says the sidecar is not there (down, restarting, not started yet), as
+    opposed to refusing this worker (geometry, token, ...)."""
+    if isinstance(exc, HiCacheRpcError):
+        return exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+    return isinstance(exc, OSError)  # the fd socket (<socket>.fd) is not there
+
+
+def _forgotten(exc: HiCacheRpcError) -> bool:
+    """A call named a pool the sidecar does not know: it restarted, or the lease ran out."""
+    return exc.code.name == "NOT_FOUND" and "pool" in exc.details
+
+
+def _short(exc: Exception) -> str:
+    text = exc.details if isinstance(exc, HiCacheRpcError) else str(exc)
+    name = exc.code.name if isinstance(exc, HiCacheRpcError) else type(exc).__name__
+    return f"{name}: {text.splitlines()[0] if text else ''}"[:200]
 
 
 def _stream_event() -> Any:

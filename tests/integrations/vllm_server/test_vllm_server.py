@@ -6,7 +6,6 @@ prefix is loaded from the sidecar instead, to the same output."""
 
 from __future__ import annotations
 
-import random
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -14,10 +13,15 @@ from pathlib import Path
 
 import pytest
 from vllm_server_env import (
+    BLOCK,
+    BLOCKS,
     EXTERNAL_HITS,
     PREFIX_HITS,
     PREFIX_QUERIES,
     VllmServer,
+    engine_alone,
+    hicache_config,
+    prompt,
     require_vllm_server,
     start_vllm_server,
 )
@@ -25,15 +29,7 @@ from vllm_server_env import (
 require_vllm_server()
 
 from sidecar_util import start_sidecar  # noqa: E402
-from tiny_models import VOCAB, deepseek_v2, llama  # noqa: E402
-
-BLOCK = 32
-BLOCKS = 12  # 11 usable: 352 tokens, so one 200-token prompt after another evicts
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(n)]  # 0-2: pad, bos, eos
+from tiny_models import deepseek_v2, llama  # noqa: E402
 
 
 def cached_tokens(server: VllmServer, ids: list[int]) -> tuple[list[int], int]:
@@ -42,16 +38,9 @@ def cached_tokens(server: VllmServer, ids: list[int]) -> tuple[list[int], int]:
     return answer["choices"][0]["token_ids"], int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-@pytest.fixture(scope="module")
-def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    tmp = tmp_path_factory.mktemp("vllm-llama")
-    server = start_vllm_server(llama(tmp / "model"), tmp / "server.log", blocks=BLOCKS, block_size=BLOCK)
-    yield server
-    server.stop()
-
-
-def test_the_engine_alone_is_deterministic_and_recomputes_an_evicted_prefix(llama_server: VllmServer) -> None:
-    server = llama_server
+def test_the_engine_alone_is_deterministic_and_recomputes_an_evicted_prefix(request: pytest.FixtureRequest) -> None:
+    """On the run's engine alone (the other tests' prompts use seeds from 100 on)."""
+    server = engine_alone(request.config)
     a = prompt(1, 100)  # 3 full blocks, then 4 tokens
     first, cached = cached_tokens(server, a)
     assert cached == 0 and len(first) == 8 and len(set(first)) > 1, first  # peaked, yet not one token
@@ -69,16 +58,6 @@ def test_the_engine_alone_is_deterministic_and_recomputes_an_evicted_prefix(llam
     recomputed, cached = cached_tokens(server, a)
     assert cached == 0, "a's prefix should have been evicted from 11 blocks"
     assert recomputed == first
-
-
-def hicache_config(target: str) -> dict[str, object]:
-    return {
-        "kv_connector": "HiCacheConnector",
-        "kv_connector_module_path": "hicache.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"target": target},
-    }
 
 
 @pytest.fixture

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -42,6 +46,10 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+VOCAB = 512  # tiny_models' vocabulary
+
+BLOCK = 32  # the tests' --block-size
+BLOCKS = 12  # 11 usable: 352 tokens, so one 200-token prompt after another evicts
 
 
 def require_vllm_server(python: str = SERVER_PYTHON) -> str:
@@ -178,3 +186,153 @@ def start_vllm_server(
         time.sleep(0.5)
     server.stop()
     raise RuntimeError(f"vLLM's server was not healthy after {timeout_s:.0f} s:\n{server.tail()}")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """n random token ids (seeded), none of them pad, bos or eos (0-2)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def hicache_config(target: str, **extra: object) -> dict[str, Any]:
+    """The --kv-transfer-config of the README: HiCacheConnector on the sidecar at `target`,
+    failed loads recomputed; `extra` adds kv_connector_extra_config keys (retry_s, ...)."""
+    return {
+        "kv_connector": "HiCacheConnector",
+        "kv_connector_module_path": "hicache.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"target": target, **extra},
+    }
+
+
+# a vLLM log line at INFO or DEBUG level ("INFO 12-07 01:02:03 [file.py:12] ...", perhaps after
+# a process tag such as "(EngineCore_DP0 pid=12) ")
+_QUIET = re.compile(r"^(\([^)]*\)\s*)?(INFO|DEBUG)\b")
+
+
+def hicache_warnings(log_text: str) -> list[str]:
+    """The lines of a server log that mention hicache and are not vLLM INFO/DEBUG lines:
+    vLLM's own warnings and errors about it, and whatever hicache's loggers print (vLLM
+    configures only its own loggers, so theirs reach stderr as bare messages)."""
+    lines = log_text.replace("\r", "\n").splitlines()
+    return [line for line in lines if "hicache" in line.lower() and not _QUIET.match(line.strip())]
+
+
+ADMIN = "vllm-server-tests"  # the sidecars' --admin-token: stats of every pool
+
+
+@dataclass
+class Sidecar:
+    """hicache-server on <sockdir>/hc.sock for a model folder, which tests start, kill and
+    restart. `args` as tests/sidecar_util.start_sidecar takes them (a storage backend; by
+    default the file tier in <sockdir>/tier, which a restart keeps)."""
+
+    sockdir: str
+    model: str
+    page_size: int
+    args: tuple[str, ...] = ()
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        return f"unix://{self.sockdir}/hc.sock"
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start it and wait until its health service says SERVING. Raises RuntimeError."""
+        from sidecar_util import start_sidecar
+
+        from hicache.client.health import check_health
+
+        config = Path(self.model) / "config.json"
+        self.proc, _ = start_sidecar(
+            self.sockdir, "--admin-token", ADMIN, *self.args, config=config, page_size=self.page_size
+        )
+        deadline = time.monotonic() + timeout_s
+        while check_health(self.target) != "SERVING":
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                out = self.proc.stdout.read().decode(errors="replace") if self.proc.poll() is not None else ""
+                self.stop()
+                raise RuntimeError(f"the sidecar did not start: {out[-2000:]}")
+            time.sleep(0.1)
+
+    @property
+    def up(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: nothing is flushed or unlinked."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=60)
+
+    def stop(self) -> None:
+        """SIGTERM (in-flight work finishes), SIGKILL after 60 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def pools(self) -> list[Any]:
+        """PoolStats of every pool registered now."""
+        from hicache.client import HiCacheClient
+
+        with HiCacheClient(self.target, admin_token=ADMIN, timeout=30) as client:
+            return client.stats(all_pools=True)
+
+    def wait_stored(self, tries: int = 600) -> None:
+        """Until no pool has storage writes queued (tries x 0.1 s). Raises AssertionError."""
+        for _ in range(tries):
+            if all(p.storage_write_queue == 0 for p in self.pools()):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"storage writes still queued: {self.pools()}")
+
+
+def settle(server: VllmServer, sidecar: Sidecar, seed: int, rounds: int = 20) -> None:
+    """After the sidecar (re)starts, until `server` stores pages in it again: its worker
+    registers when the sidecar answers (every retry_s), and its scheduler refuses stores
+    for retry_s after a lookup failed (the first ones meet the old pools). Each round
+    serves a new 100-token prompt and waits a little for its store. Raises AssertionError."""
+    for i in range(rounds):
+        before = sum(p.used_pages for p in sidecar.pools())
+        server.complete(prompt(seed + i, 100))
+        for _ in range(10):
+            if sum(p.used_pages for p in sidecar.pools()) > before:
+                return
+            time.sleep(0.1)
+    raise AssertionError(f"{server.url} stored nothing in the sidecar after {rounds} prompts:\n{server.tail()}")
+
+
+_ALONE = pytest.StashKey[VllmServer]()
+
+
+def engine_alone(config: pytest.Config) -> VllmServer:
+    """vLLM's server without hicache on the tiny Llama (BLOCKS blocks of BLOCK tokens),
+    started once per pytest run and stopped at its end: the outputs every server with
+    hicache must give."""
+    if _ALONE not in config.stash:
+        from tiny_models import llama
+
+        folder = Path(tempfile.mkdtemp(prefix="vllm-alone-"))
+        server = start_vllm_server(llama(folder / "model"), folder / "server.log", blocks=BLOCKS, block_size=BLOCK)
+        config.stash[_ALONE] = server
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+        config.add_cleanup(server.stop)
+    return config.stash[_ALONE]
+
+
+class Reference:
+    """The engine alone's greedy output of each prompt (8 tokens), asked once."""
+
+    def __init__(self, server: VllmServer):
+        self.server = server
+        self._outputs: dict[tuple[int, ...], list[int]] = {}
+
+    def __call__(self, ids: list[int]) -> list[int]:
+        key = tuple(ids)
+        if key not in self._outputs:
+            self._outputs[key] = self.server.complete(ids)
+        return self._outputs[key]
