@@ -15,6 +15,10 @@ and every store a refusal for retry_s; no call here raises into the scheduler.
 
 The lookup thread and vLLM's scheduler share the manager's state under `lock` (re-entrant):
 vLLM 0.33 holds it around its calls, and on 0.32 each entry point takes it (compat).
+
+With vLLM's KV events on (--kv-events-config), take_events reports what the sidecar holds of
+the chunks vLLM stored or looked up: stores and removals, host pool as Medium.CPU and
+storage tier as Medium.STORAGE, from the sidecar's own event stream (events.py).
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from typing import Any
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
-    Medium,
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
@@ -43,6 +46,7 @@ from hicache.api import KeyStatus, Tier
 from hicache.client import HiCacheClient
 from hicache.integrations.vllm import compat, rendezvous
 from hicache.integrations.vllm.batches import BATCH, batches
+from hicache.integrations.vllm.events import ChunkResidency, SidecarEventFeed, offloading_events
 from hicache.integrations.vllm.keys import chunk_page_keys, group_of
 from hicache.integrations.vllm.options import Options
 
@@ -101,7 +105,22 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._closed = False
         self._down_until = 0.0
         self._pools: list[dict[int, tuple[str, str]]] | None = None
-        self._events: list[OffloadingEvent] | None = [] if config.enable_kv_cache_events else None
+        self.residency: ChunkResidency | None = None  # with vLLM's KV events on: what the sidecar holds
+        self.feed: SidecarEventFeed | None = None
+        if config.enable_kv_cache_events:
+            self._follow_events()
+
+    def _follow_events(self) -> None:
+        world = self.config.parallel.world_size
+        self.residency = ChunkResidency(self.blocks_per_chunk, world)
+        if not self.options.admin_token:
+            log.warning(
+                "vLLM's KV events are on, but hicache reports none: the sidecar's KV events need its "
+                "admin token ('admin_token' in kv_connector_extra_config or $HICACHE_ADMIN_TOKEN)"
+            )
+            return
+        self.feed = SidecarEventFeed(self.options, self.config.engine_id, world, self.residency)
+        self.feed.start()
 
     @property
     def lock(self) -> threading.RLock:
@@ -139,6 +158,8 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         the lock."""
         failed: Exception | None = None
         pins: dict[bytes, _Pins] = {}
+        if self.residency is not None:  # before the sidecar is asked: its events count from now
+            self.residency.track(keys)
         try:
             answers, ttl = self._ask(keys, pins), self.options.lookup_ttl_s
         except Exception as exc:  # a down sidecar, or anything else: misses, never a raise
@@ -171,6 +192,9 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
             pools = self._group_pools(group)
             for pool in pools:
                 tiers = self._tiers(page_keys, pool)
+                if self.residency is not None:
+                    stored = [k for k, t in zip(page_keys, tiers, strict=True) if t is Tier.STORAGE]
+                    self.residency.saw_in_storage(pool, stored)
                 fetch: list[bytes] = []
                 for i, chunk in enumerate(chunks):
                     mine = tiers[i * bpc : (i + 1) * bpc]
@@ -320,6 +344,8 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
             return None
         now = time.monotonic()
         todo = [k for k in keys if not ((a := self._known.get(k)) and a[0] is LookupResult.HIT and a[1] > now)]
+        if self.residency is not None:  # before the workers store: the sidecar's events then count
+            self.residency.track(todo)
         return PrepareStoreOutput(keys_to_store=todo, store_spec=HiCacheLoadStoreSpec(todo), evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
@@ -331,18 +357,20 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
             if pins is not None:
                 self._drop(pins)
         self._flush()
-        if success and self._events is not None and keys:
-            self._events.append(OffloadingEvent(keys=list(keys), medium=Medium.CPU, removed=False))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """A list, not a generator: the events are taken under the lock, not while vLLM iterates."""
-        if not self._events:
+        """What the sidecar stored and removed of vLLM's chunks since the last call, per medium
+        (a list: taken now, not while vLLM iterates)."""
+        if self.residency is None:
             return []
-        events, self._events = self._events, []
-        return events
+        try:
+            return offloading_events(self.residency.take())
+        except Exception as exc:  # never a raise into the scheduler
+            log.warning("hicache take_events failed: %s", exc)
+            return []
 
     def loading(self, req_ids: Collection[str]) -> list[bytes]:
         """The chunk keys of the loads prepared for `req_ids` and not completed yet. Called
@@ -376,6 +404,8 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._closed = True
+        if self.feed is not None:
+            self.feed.close()
         if self._timer is not None:
             self._timer.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)

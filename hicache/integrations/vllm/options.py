@@ -26,7 +26,9 @@ class Options:
     lookup_ttl_s: how long a lookup answer is reused before the sidecar is asked again.
     retry_s: after a failed call, how long the scheduler answers MISS before trying again.
     rendezvous_dir: where workers publish their pool ids to the scheduler (default: the
-    sidecar socket's folder, or the temp folder for a TCP target)."""
+    sidecar socket's folder, or the temp folder for a TCP target). admin_token: the sidecar's
+    --admin-token (default $HICACHE_ADMIN_TOKEN), which its KV events need: with vLLM's KV
+    events on, the scheduler reports hicache's stores and removals through them."""
 
     target: str
     token: str | None = None
@@ -37,6 +39,7 @@ class Options:
     lookup_ttl_s: float = 1.0
     retry_s: float = 5.0
     rendezvous_dir: str | None = None
+    admin_token: str | None = None
 
     # By hand, not pydantic: seven fields, and the messages name vLLM's config key as operators
     # type it; pydantic's would be longer and name model fields.
@@ -47,9 +50,10 @@ class Options:
             dict(extra or {}),
             cls.__dataclass_fields__,
             "kv_connector_extra_config",
-            strings=("token", "model_id", "model_config", "rendezvous_dir"),
+            strings=("token", "model_id", "model_config", "rendezvous_dir", "admin_token"),
             seconds=("timeout_s", "lookup_ttl_s", "retry_s"),
         )
+        mine.setdefault("admin_token", os.environ.get("HICACHE_ADMIN_TOKEN"))
         return cls(**mine)
 
     @property
