@@ -31,6 +31,7 @@ from hicache.storage.factory import default_file_dir, file_dir_problem
 from .auth import TokenInterceptor
 from .config import ServerConfig, build_parser, parse_args, requested_log_format
 from .decoding import add_servicer
+from .drain import Drain
 from .envflags import unknown_variables
 from .health_monitor import NOT_SERVING, HealthMonitor
 from .logs import announce, configure_logging
@@ -58,6 +59,7 @@ class HiCacheServer:
         metrics_port: int | None = None,
         executor: futures.ThreadPoolExecutor | None = None,
         end_streams: Sequence[Callable[[], None]] = (),
+        drain: Drain | None = None,
     ):
         self.config = config
         self.grpc = grpc_server
@@ -69,6 +71,7 @@ class HiCacheServer:
         self.fd_listener: FdListener | None = None  # engines' fds (memfd pools), beside the socket
         self._executor = executor  # the RPC threads: shut down with the server
         self._end_streams = end_streams  # end the open streams (events, health Watch) cleanly
+        self.drain = drain  # the servicer's unary calls: finished before gRPC stops
         self._stopped = threading.Event()
         interval = config.reap_interval_s or min(1.0, config.service.lease_timeout_s / 4)
         self._reaper = threading.Thread(target=self._reap, args=(interval,), name="hicache-reaper", daemon=True)
@@ -95,8 +98,9 @@ class HiCacheServer:
                 log.warning("closed %d fds that no registration claimed in time", closed)
 
     def stop(self, grace: float | None = None) -> None:
-        """Stop taking calls, end the open streams (KV events, health Watch: each ends cleanly
-        after what it has queued), let in-flight calls finish within `grace` s, release every
+        """Stop taking calls (a new one is answered FAILED_PRECONDITION while the running ones
+        finish: server.drain), then stop gRPC, end the open streams (KV events, health Watch:
+        each ends cleanly after what it has queued), all within `grace` s, release every
         pool (in-flight transfers finish, shared memory is unlinked), join the server's threads
         and remove the socket. Idempotent."""
         if self._stopped.is_set():
@@ -104,7 +108,10 @@ class HiCacheServer:
         self._stopped.set()
         if self.monitor is not None:
             self.monitor.stop()
-        stopped = self.grpc.stop(self.config.grace_s if grace is None else grace)
+        grace = self.config.grace_s if grace is None else grace
+        if self.drain is not None:
+            grace = self.drain.start(grace)
+        stopped = self.grpc.stop(grace)
         for end in self._end_streams:  # streams without end would hold the whole grace, then fail
             end()
         stopped.wait()
@@ -299,6 +306,7 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
         metrics_port=metrics_port,
         executor=executor,
         end_streams=(servicer.end_streams, health_servicer.end_watches),
+        drain=servicer.drain,
     )
     try:
         hs.fd_listener = serve_fds(fd_socket_path(config.socket), service.fds)

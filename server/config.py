@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import NoReturn
 from hicache._version import __version__
 from hicache.cache.config import HiCacheConfig
 from hicache.geometry import KVGeometry, model_geometries, normalize_dtype
-from hicache.memory import cuda_available
+from hicache.memory import cuda_available, shm_dir
 from hicache.paths import default_socket_path
 from hicache.pools.layouts import LAYOUTS
 from hicache.sidecar.config import IO_BACKENDS, ServiceConfig, check_seconds
@@ -163,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--lease-timeout", type=float, default=30.0, help="seconds before a silent client's pool is reclaimed"
     )
     p.add_argument("--max-batch", type=int, default=65536, help="most keys in one call")
+    p.add_argument("--max-pools", type=int, default=64, help="most pools registered at once")
+    p.add_argument(
+        "--max-pools-per-namespace",
+        type=int,
+        default=32,
+        help="most pools of one namespace (RegisterPool's namespace) at once: one tenant cannot take every slot",
+    )
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
     p.add_argument(
         "--workers",
@@ -202,6 +210,13 @@ def check_start_up(args: argparse.Namespace, env: Mapping[str, str]) -> None:
             normalize_dtype(args.kv_cache_dtype)
         except ValueError as exc:
             raise ValueError(f"--kv-cache-dtype: {exc}") from None
+    if args.hicache_size > 0:
+        total = shutil.disk_usage(shm_dir()).total
+        if args.hicache_size * 1e9 > total:
+            raise ValueError(
+                f"--hicache-size {args.hicache_size:g} GB is more than {shm_dir()} can hold ({total / 1e9:.2f} GB): "
+                "host pools live there (grow it, e.g. docker's --shm-size, or ask for less)"
+            )
     if args.socket == "":
         raise ValueError(f"--socket must be a path, got '' (leave it out for {default_socket_path()})")
     if args.hicache_io_backend == "kernel" and env.get("TRITON_INTERPRET") != "1" and not cuda_available():
@@ -249,6 +264,8 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         io_backend=args.hicache_io_backend,
         lease_timeout_s=args.lease_timeout,
         max_batch=args.max_batch,
+        max_pools=args.max_pools,
+        max_pools_per_namespace=args.max_pools_per_namespace,
     )
     config = ServerConfig(
         socket=args.socket or default_socket_path(),

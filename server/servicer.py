@@ -25,6 +25,7 @@ from hicache.sidecar.errors import NoSpace, StateError, UnknownId
 from hicache.sidecar.events import Subscription
 from hicache.sidecar.service import HiCacheService
 
+from .drain import Drain
 from .streams import StreamSlots
 
 log = logging.getLogger("hicache.server")
@@ -57,7 +58,8 @@ def _mapped(method: F) -> F:
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return method(self, request, context)
+            with self.drain.call():  # once draining (shutdown): FAILED_PRECONDITION
+                return method(self, request, context)
         except Exception as exc:
             abort_for(exc, context)
 
@@ -78,6 +80,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         self.admin_token = admin_token
         self._ending = threading.Event()
         self.streams = streams  # the server's, sized from --workers (ServerConfig.max_streams)
+        self.drain = Drain()  # the unary calls in flight, finished before gRPC stops (server.app)
 
     def end_streams(self) -> None:
         """End every SubscribeEvents stream, each after what it has queued (shutdown: the
@@ -126,6 +129,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         )
         if isinstance(info, NoSpace):
             raise Exhausted(info.reason)
+        if not context.is_active():  # its caller gave up (deadline, cancel): keep nothing for it
+            self.service.abandon(info.pool_id)
         return pb.RegisterPoolResponse(
             pool_id=info.pool_id,
             host_pages=info.host_pages,

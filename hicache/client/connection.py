@@ -71,11 +71,15 @@ class Connection:
             try:
                 return method(request, timeout=deadline, metadata=metadata, wait_for_ready=wait)
             except grpc.RpcError as exc:
-                code = exc.code()
+                code, details = exc.code(), exc.details() or ""
+                if code == grpc.StatusCode.CANCELLED:
+                    # never this side's doing (no call here is cancelled): gRPC's server drops
+                    # a call that reaches it as it stops, so the sidecar is going away
+                    code, details = grpc.StatusCode.UNAVAILABLE, f"the sidecar dropped the call ({details})"
                 if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
                     time.sleep(min(deadline, 0.02 * 2**attempt))
                     continue  # same request id: the sidecar answers a retry idempotently
-                raise HiCacheRpcError(code, exc.details() or "") from None
+                raise HiCacheRpcError(code, details) from None
         raise AssertionError("unreachable")
 
     def keep_alive(self, pools: Callable[[], Iterable[tuple[str, str]]], lease_s: float) -> None:

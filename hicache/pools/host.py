@@ -39,8 +39,9 @@ class HostKVPool(FlatPool):
         memory: SharedBuffer | None = None,
         committed_pages: int | None = None,
     ):
-        """committed_pages: allocate only pages [0, committed_pages) now (a pool under a
-        shared host budget; commit_pages and release_pages move the line)."""
+        """committed_pages: allocate only pages [0, committed_pages) now (the rest as the pool
+        grows: commit_pages and release_pages move the line). Pinned memory (CUDA) is locked
+        whole, so there all pages are committed; self.committed_pages says how many are."""
         lay = make_layout(layout, geometry, num_pages)
         if memory is None:
             # pinned memory (CUDA) is locked whole: there a budget moves the usable line only
@@ -48,8 +49,10 @@ class HostKVPool(FlatPool):
             spans = lay.page_spans(range(committed_pages)) if sparse and committed_pages is not None else None
             memory = create_shm(lay.nbytes, spans)
             self.pinned = pin_host(memory)
+            self.committed_pages = committed_pages if sparse and committed_pages is not None else num_pages
         else:
             self.pinned = False
+            self.committed_pages = num_pages  # another process's memory: as it made it
         super().__init__(geometry, lay, memory)
 
     @classmethod

@@ -48,6 +48,7 @@ class ServiceConfig:
     lease_timeout_s: float = 30.0
     max_batch: int = 65536
     max_pools: int = 64
+    max_pools_per_namespace: int = 32  # one tenant (or one careless engine) cannot take every slot
     request_cache_size: int = 4096
     finished_ops_kept: int = 256
     io_backend: str = "auto"  # SGLang's --hicache-io-backend: direct (torch copies), kernel (Triton), auto
@@ -65,7 +66,7 @@ class ServiceConfig:
         if self.host_layout not in LAYOUTS:
             raise ValueError(f"unknown host layout {self.host_layout!r}; expected one of {list(LAYOUTS)}")
         check_seconds("--lease-timeout", self.lease_timeout_s)
-        for name in ("max_batch", "max_pools", "request_cache_size", "finished_ops_kept"):
+        for name in ("max_batch", "max_pools", "max_pools_per_namespace", "request_cache_size", "finished_ops_kept"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.layerwise_inline_bytes < 0:

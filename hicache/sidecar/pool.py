@@ -92,6 +92,8 @@ class RegisteredPool:
         self.geometry = cache.geometry
         self.device_pages = device.num_pages if device is not None else device_pages
         self.copy_path = "sidecar" if device is not None else "engine"
+        # the host pages it grows to in the background (sidecar.host_growth): its share of the budget
+        self.host_goal = self.host.num_pages
         self.grants = CopyGrants(cache, grant_ttl_s, clock)
         self.max_batch = max_batch
         self.counters = Counters()

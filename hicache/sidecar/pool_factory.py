@@ -16,6 +16,7 @@ from hicache.memory.cuda_events import OpenedIpcEvents
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
 from hicache.sidecar.events import EventBus, PoolEvents
+from hicache.sidecar.host_growth import first_pages
 from hicache.sidecar.pool import RegisteredPool
 from hicache.sidecar.registration import PoolIdentity, PoolRequest, map_device, map_engine_layout
 from hicache.storage.base import StorageTier, TierIdentity
@@ -86,14 +87,18 @@ def _tier(req: PoolRequest, config: ServiceConfig) -> StorageTier:
 def build_pool(
     req: PoolRequest, parts: PoolParts, host_pages: int, config: ServiceConfig, bus: EventBus
 ) -> RegisteredPool:
-    """The pool `req` asks for over `parts`, with host_pages host pages; it owns the parts.
-    Raises OSError when the host memory does not fit, with the host pool released and the
+    """The pool `req` asks for over `parts`, with host_pages host pages, of which it uses the
+    first ones only (host_growth.first_pages) until the service's HostGrower grows it to its
+    host_goal; it owns the parts. Raises OSError when the host memory does not fit, with the host pool released and the
     parts still the caller's."""
     with contextlib.ExitStack() as undo:
-        host = HostKVPool(req.geometry, host_pages, config.host_layout)
+        first = first_pages(host_pages, req.geometry.page_bytes)  # the rest in the background
+        host = HostKVPool(req.geometry, host_pages, config.host_layout, committed_pages=first)
         undo.callback(host.close)
         cache = config.hierarchy.build(host, parts.tier)
         undo.callback(cache.close)
+        if host.committed_pages < host_pages:
+            cache.resize_host(host.committed_pages)
         identity = PoolIdentity(
             "pool-" + secrets.token_hex(8),
             req.group,

@@ -16,32 +16,41 @@ class PoolTable:
     """Thread-safe. A pool's lease is renewed by every lookup of it (get) and expires
     `lease_s` after the last one; once closed, the table takes no new pools."""
 
-    def __init__(self, lease_s: float, max_pools: int, clock: Callable[[], float]):
+    def __init__(
+        self, lease_s: float, max_pools: int, clock: Callable[[], float], max_per_namespace: int | None = None
+    ):
         self.lease_s = lease_s
         self.max_pools = max_pools
+        self.max_per_namespace = max_pools if max_per_namespace is None else max_per_namespace
         self._clock = clock
         self._lock = threading.Lock()  # guards _pools, _leases and closed
         self._pools: dict[str, RegisteredPool] = {}
         self._leases: dict[str, float] = {}  # pool id -> deadline on self._clock
         self.closed = False
 
-    def refusal(self) -> str:
-        """Why a new pool cannot be added now ("" if it can)."""
+    def refusal(self, namespace: str) -> str:
+        """Why a new pool in `namespace` cannot be added now ("" if it can)."""
         with self._lock:
-            return self._refusal_locked()
+            return self._refusal_locked(namespace)
 
-    def _refusal_locked(self) -> str:
+    def _refusal_locked(self, namespace: str) -> str:
         if self.closed:
             return "the service is shut down"
         if len(self._pools) >= self.max_pools:
-            return f"{len(self._pools)} pools registered, the limit is {self.max_pools}"
+            return f"{len(self._pools)} pools registered, the limit is {self.max_pools} (--max-pools)"
+        mine = sum(p.identity.namespace == namespace for p in self._pools.values())
+        if mine >= self.max_per_namespace:
+            return (
+                f"namespace {namespace!r} holds {mine} pools, the quota of one namespace is "
+                f"{self.max_per_namespace} (--max-pools-per-namespace)"
+            )
         return ""
 
     def add(self, pool: RegisteredPool) -> str:
         """Add the pool with a fresh lease; returns "" or, adding nothing, why not (checked
         again here: another registration or close() may have come first)."""
         with self._lock:
-            refusal = self._refusal_locked()
+            refusal = self._refusal_locked(pool.identity.namespace)
             if not refusal:
                 self._pools[pool.identity.pool_id] = pool
                 self._leases[pool.identity.pool_id] = self._clock() + self.lease_s

@@ -40,6 +40,7 @@ from hicache.sidecar.errors import NoSpace, StateError
 from hicache.sidecar.events import EventBus, Subscription
 from hicache.sidecar.health import degraded_but_serving, storage_health
 from hicache.sidecar.host_budget import Claim, split
+from hicache.sidecar.host_growth import HostGrower
 from hicache.sidecar.operations import Operation, operation_events
 from hicache.sidecar.pool_table import PoolTable
 from hicache.sidecar.registration import PoolRequest, check_geometry
@@ -65,10 +66,11 @@ class HiCacheService:
         self.config = config
         self.fds = fds if fds is not None else FdStore()
         self._clock = clock
-        self._pools = PoolTable(config.lease_timeout_s, config.max_pools, clock)
+        self._pools = PoolTable(config.lease_timeout_s, config.max_pools, clock, config.max_pools_per_namespace)
         self._requests = RequestCache(config.request_cache_size)
         self._ipc = CudaIpcOpens()
         self._space_lock = threading.Lock()  # one pool at a time checks /dev/shm and reserves in it
+        self.host_growth = HostGrower(self._space_lock, self.pool_snapshots)  # pools reserve in steps
         self.events = EventBus()
         self._release_hooks: list[Callable[[RegisteredPool], None]] = []
         _sweep()
@@ -130,7 +132,7 @@ class HiCacheService:
 
     def _register(self, req: PoolRequest) -> PoolInfo | NoSpace:
         req.check(self.config.expected, self.config.hierarchy.storage_backend)
-        refusal = self._pools.refusal()
+        refusal = self._pools.refusal(req.namespace)
         if refusal:
             return self._refuse(refusal)
         from hicache.sidecar.pool_factory import make_parts  # torch: loaded with the first pool
@@ -152,6 +154,7 @@ class HiCacheService:
                     pool.close()
                     self._rebalance()
                     return self._refuse(refusal)
+        self.host_growth.wake()
         return _pool_info(pool, req, self.config.lease_timeout_s)
 
     def _build(self, req: PoolRequest, parts: PoolParts) -> RegisteredPool | NoSpace:
@@ -198,8 +201,7 @@ class HiCacheService:
                 f"leaves a share of less than one page ({req.geometry.page_bytes} bytes) for a pool"
             )
         for pool, pages in zip(live, shares, strict=False):
-            if pages < pool.host_pages:
-                _resize(pool, pages)
+            _move_goal(pool, pages)
         return shares[-1]
 
     @property
@@ -208,15 +210,17 @@ class HiCacheService:
 
     def _rebalance(self) -> None:
         """Give each live pool its share of the budget again (after a pool left, or a
-        registration that failed); a pool that cannot grow (ENOSPC) keeps its size."""
+        registration that failed): a pool above it shrinks now, one below grows to it in the
+        background (a pool that cannot grow, ENOSPC, keeps its size)."""
         if self.config.hierarchy.size_gb <= 0:
             return
         live = self.pool_snapshots()
         if not live:
             return
         for pool, pages in zip(live, split(self._budget, [_claim(p) for p in live]), strict=True):
-            if pages >= 1 and pages != pool.host_pages:
-                _resize(pool, pages)
+            if pages >= 1:
+                _move_goal(pool, pages)
+        self.host_growth.wake()
 
     def _refuse(self, why: str) -> NoSpace:
         """StateError once shut down; otherwise the pool limit, a NoSpace answer."""
@@ -287,6 +291,12 @@ class HiCacheService:
             except Exception:
                 log.exception("ending the expired copy grants of pool %s failed", pool.identity.pool_id)
         return [pool_id for pool_id in self._pools.expired() if self._release_logged(pool_id, only_expired=True)]
+
+    def abandon(self, pool_id: str) -> bool:
+        """Release a pool whose registration's caller gave up before the answer (its deadline
+        passed): nobody holds its id or secret. False if it is gone already."""
+        log.warning("released pool %s: its registration's caller gave up before the answer", pool_id)
+        return self._release_logged(pool_id)
 
     def _release_logged(self, pool_id: str, *, only_expired: bool = False) -> bool:
         """_release for the reaper and close(), which must go on to the next pool: an unknown
@@ -436,6 +446,7 @@ class HiCacheService:
     def close(self) -> None:
         """Refuse new registrations and release every pool after its in-flight work, then end
         every event subscription. Idempotent."""
+        self.host_growth.close()
         for pool_id in self._pools.shut():
             self._release_logged(pool_id)
         self.events.close()
@@ -464,6 +475,14 @@ def _pool_info(pool: RegisteredPool, req: PoolRequest, lease_timeout_s: float) -
         tuple(pool.layer_events.handles) if pool.layer_events is not None else (),
         pool.layer_events.slots if pool.layer_events is not None else 0,
     )
+
+
+def _move_goal(pool: RegisteredPool, pages: int) -> None:
+    """Make `pages` the pool's host goal: above it, it shrinks now; below it, the HostGrower
+    grows it (under the space lock, as here)."""
+    pool.host_goal = pages
+    if pages < pool.host_pages:
+        _resize(pool, pages)
 
 
 def _resize(pool: RegisteredPool, pages: int) -> None:
