@@ -206,9 +206,12 @@ def test_an_evict_call_is_a_removal_and_a_restarted_sidecar_is_followed(tmp_path
         deadline = time.monotonic() + 60
         while check_health(target) != "SERVING" and time.monotonic() < deadline:
             time.sleep(0.05)
-        again = chunk_keys(2, seed=7)
-        assert store(eng, manager, again, [6, 7], job=2).success  # the worker registers again
+        deadline = time.monotonic() + 60
+        while eng.worker.links[0].pool_id == pool and time.monotonic() < deadline:
+            time.sleep(0.05)  # the worker registers again within retry_s
         assert eng.worker.links[0].pool_id != pool
+        again = chunk_keys(2, seed=7)
+        assert store(eng, manager, again, [6, 7], job=2).success
         assert drain_until(manager, lambda s: stored(again, Medium.CPU) <= s) == stored(again, Medium.CPU)
     finally:
         manager.shutdown()
