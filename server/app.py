@@ -29,7 +29,7 @@ from hicache.sidecar.service import HiCacheService
 from hicache.storage.factory import default_file_dir, file_dir_problem
 
 from .auth import TokenInterceptor
-from .config import ServerConfig, build_parser, parse_args, requested_log_format
+from .config import ServerConfig, build_parser, host_budget_problem, parse_args, requested_log_format
 from .decoding import add_servicer
 from .drain import Drain
 from .envflags import unknown_variables
@@ -328,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         announce(config.log_format, f"error: {exc}", sys.stderr, level="ERROR")
         return 2
     h = config.service.hierarchy
+    budget_problem = host_budget_problem(h.size_gb)
+    if budget_problem:
+        announce(config.log_format, f"error: {budget_problem}", sys.stderr, level="ERROR")
+        return 2
     if h.storage_backend == "file":
         cap = h.extra_config.get("max_bytes")
         folder = h.extra_config.get("dir") or default_file_dir()

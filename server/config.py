@@ -210,13 +210,6 @@ def check_start_up(args: argparse.Namespace, env: Mapping[str, str]) -> None:
             normalize_dtype(args.kv_cache_dtype)
         except ValueError as exc:
             raise ValueError(f"--kv-cache-dtype: {exc}") from None
-    if args.hicache_size > 0:
-        total = shutil.disk_usage(shm_dir()).total
-        if args.hicache_size * 1e9 > total:
-            raise ValueError(
-                f"--hicache-size {args.hicache_size:g} GB is more than {shm_dir()} can hold ({total / 1e9:.2f} GB): "
-                "host pools live there (grow it, e.g. docker's --shm-size, or ask for less)"
-            )
     if args.socket == "":
         raise ValueError(f"--socket must be a path, got '' (leave it out for {default_socket_path()})")
     if args.hicache_io_backend == "kernel" and env.get("TRITON_INTERPRET") != "1" and not cuda_available():
@@ -224,6 +217,19 @@ def check_start_up(args: argparse.Namespace, env: Mapping[str, str]) -> None:
             "--hicache-io-backend kernel runs Triton copy kernels on CUDA, and this sidecar has no GPU: "
             "use auto or direct (or TRITON_INTERPRET=1 to run the kernels interpreted, for tests)"
         )
+
+
+def host_budget_problem(size_gb: float) -> str:
+    """Why this machine cannot hold a --hicache-size of size_gb ("" if it can): host pools
+    live in /dev/shm. Checked when the sidecar starts, not when flags are parsed (a compose
+    file's flags are valid on a machine with a smaller /dev/shm)."""
+    total = shutil.disk_usage(shm_dir()).total
+    if size_gb * 1e9 <= total:
+        return ""
+    return (
+        f"--hicache-size {size_gb:g} GB is more than {shm_dir()} can hold ({total / 1e9:.2f} GB): "
+        "host pools live there (grow it, e.g. docker's --shm-size, or ask for less)"
+    )
 
 
 def requested_log_format(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> str:

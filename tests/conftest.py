@@ -1,10 +1,10 @@
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import redis_binary
 
 from hicache.demo.redis_cluster import LocalRedisCluster
 from hicache.transfer import native
@@ -41,7 +41,6 @@ def redis_server(tmp_path: Path) -> Iterator[Any]:
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
     """A 3-master, 3-replica Redis Cluster on loopback ports, shared by the session's tests
     that only read and write (tests that kill or reshard start their own)."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does this)")
+    redis_binary()
     with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
         yield cluster

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from hicache.pools.flat import FlatPool
@@ -84,3 +86,17 @@ def held_by_another_thread(lock: threading.Lock) -> Iterator[None]:
     finally:
         release.set()
         thread.join(10)
+
+
+def redis_binary(name: str = "redis-server") -> str:
+    """The path of `name` (redis-server, redis-cli, openssl for the TLS test). Missing: the
+    test skips, or fails where HICACHE_REQUIRE_SERVICES names redis (make test sets it, after
+    installing them or saying in one line how to), so a missing service never passes unnoticed."""
+    exe = shutil.which(name)
+    if exe is not None:
+        return exe
+    package = "openssl" if name == "openssl" else "redis-server"
+    why = f"{name} is not installed (apt-get install {package}; make test and .ci/run get it)"
+    if "redis" in os.environ.get("HICACHE_REQUIRE_SERVICES", "").split(","):
+        pytest.fail(why)
+    pytest.skip(why)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import socket
 import subprocess
 import threading
@@ -12,8 +11,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import pytest
 from conftest import load_config
+from helpers import redis_binary
 
 from hicache.demo.redis_cluster import free_ports
 from hicache.geometry import KVGeometry
@@ -55,9 +54,7 @@ class RedisServer:
     """A private redis-server on a loopback port or a unix socket in a temporary folder."""
 
     def __init__(self, tmp: Path, unix: bool = False):
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does this)")
+        exe = redis_binary()
         self.exe, self.tmp, self.unix = exe, tmp, unix
         self.sock = tmp / "redis.sock"
         self.port = 0 if unix else free_port()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import redis_binary
 
 from hicache.cli import CLIENT_VARIABLES
 from hicache.cli import build_parser as cli_parser
@@ -97,8 +98,8 @@ def test_local_rewrites_paths_ports_and_programs(tmp_path: Path):
 
 
 def test_compose_runs_as_local_processes_and_the_engine_passes():
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    redis_binary()
+    redis_binary("redis-cli")
     compose, image = load()
     workdir = Path(tempfile.mkdtemp(prefix="hc"))  # short: socket paths must fit in 108 bytes
     try:
@@ -136,8 +137,8 @@ def test_the_cluster_profile_declares_two_nodes_over_one_cluster(tmp_path: Path)
 
 
 def test_the_cluster_profile_runs_as_local_processes_and_node_b_hits_node_as_pages():
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    redis_binary()
+    redis_binary("redis-cli")
     compose, image = load()
     workdir = Path(tempfile.mkdtemp(prefix="hc"))
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import socket
 import subprocess
 import threading
@@ -17,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from helpers import eventually, held_by_another_thread, in_forked_child
+from helpers import eventually, held_by_another_thread, in_forked_child, redis_binary
 from redis import exceptions as rx
 from tier_helpers import GEOMETRIES, free_port, identity, key, payload
 
@@ -308,9 +307,7 @@ def test_a_close_during_a_call_closes_that_connection_when_the_call_ends(redis_s
 
 def spawn_redis(tmp_path, url: str, args: list[str]) -> subprocess.Popen[bytes]:
     """A redis-server with `args`, once a redis-py client at `url` gets PONG."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does this)")
+    exe = redis_binary()
     proc = subprocess.Popen([exe, "--save", "", "--appendonly", "no", "--dir", str(tmp_path), "--bind", "127.0.0.1", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 20
@@ -356,8 +353,7 @@ def test_the_tier_over_a_password_and_a_database_number(tmp_path):
 
 
 def test_the_tier_over_tls(tmp_path):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed (.ci/run installs it)")
+    redis_binary("openssl")
     cert, private = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", private, "-out", cert, "-days", "1",
