@@ -24,6 +24,7 @@ Failed calls raise HiCacheRpcError with the gRPC status code and the sidecar's m
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hicache.client")
 
 T = TypeVar("T")
+CLOSE_S = 2.0  # close() unregisters every pool within this (or the client's timeout, if shorter)
 
 
 @dataclass(frozen=True)
@@ -363,17 +365,17 @@ class HiCacheClient:
             raise ValueError(f"fds can be sent only to a sidecar on a Unix socket, not {self.target!r}")
         return send_fds(self.target.removeprefix("unix://"), fds, timeout=self.timeout)
 
-    def unregister(self, pool: PoolRef = None, *, retry: bool = True) -> bool:
+    def unregister(self, pool: PoolRef = None, *, retry: bool = True, timeout: float | None = None) -> bool:
         """Unregister one of this client's pools (default: the default pool) and drop it here:
         its secret, mapped progress block and CUDA events. True if the sidecar unregistered it;
         False if the sidecar no longer knew it (it restarted, or the lease expired): the pool
         is dropped here all the same, so a re-registration leaves no stale pool behind.
         Raises KeyError for a pool this client did not register, HiCacheRpcError for any
-        other failure (the pool is then kept)."""
+        other failure (the pool is then kept). `timeout`: the deadline, if not the client's."""
         info = self._pool(pool)
         request = pb.UnregisterPoolRequest(request_id=self._rid(), pool_id=info.pool_id)
         try:
-            self._call(self._stub.UnregisterPool, request, retry=retry, pool=info.pool_id)
+            self._call(self._stub.UnregisterPool, request, retry=retry, pool=info.pool_id, timeout=timeout)
             known = True
         except HiCacheRpcError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
@@ -559,11 +561,17 @@ class HiCacheClient:
         return [convert.stats_from_pb(s) for s in r.pools]
 
     def close(self) -> None:
-        """Unregister this client's pools (best effort) and close the channel. Idempotent."""
+        """Unregister this client's pools (best effort, all within CLOSE_S, so a wedged
+        sidecar holds it that long at most: a pool it does not release in time goes with its
+        lease) and close the channel. Idempotent."""
         self._conn.stop_keep_alive()
+        end = time.monotonic() + min(self.timeout, CLOSE_S)
         for pool_id in list(self._pools):
+            left = end - time.monotonic()
             try:
-                self.unregister(pool_id, retry=False)  # a dead sidecar fails fast
+                if left <= 0:
+                    raise HiCacheRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "close() ran out of time")
+                self.unregister(pool_id, retry=False, timeout=left)  # a dead sidecar fails fast
             except HiCacheRpcError:
                 self.forget(pool_id)
         self._blocks.close()

@@ -58,18 +58,24 @@ class Connection:
         """One call with the deadline. `wait`: wait (up to the deadline) for a sidecar that is
         not up yet, for the first contact; otherwise a sidecar that is down fails the call at
         once with UNAVAILABLE, so an engine never stalls a forward pass on a dead cache.
-        `retry`: an UNAVAILABLE call is retried (same request id) `retries` times. `extra`:
-        more metadata (a pool's secret). `timeout`: the deadline in s, if not the
-        connection's. Raises HiCacheRpcError."""
+        `retry`: an UNAVAILABLE call is retried (same request id) `retries` times, all the
+        attempts within the one deadline. `extra`: more metadata (a pool's secret).
+        `timeout`: the deadline in s, if not the connection's. Raises HiCacheRpcError."""
         # Kept by hand rather than gRPC's service-config retryPolicy: the policy retries inside
         # the channel where this loop can log nothing and cannot tell a first contact (wait)
         # from a call to a dead sidecar, which must fail at once; the request id makes either safe.
         attempts = 1 + (self.retries if retry else 0)
         metadata = self.metadata + extra
         deadline = self.timeout if timeout is None else timeout
+        end = time.monotonic() + deadline
         for attempt in range(attempts):
+            left = end - time.monotonic()
+            if left <= 0:  # the retries used it up: one deadline for the call, not one per attempt
+                raise HiCacheRpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {deadline:g} s ({attempt} attempts)"
+                )
             try:
-                return method(request, timeout=deadline, metadata=metadata, wait_for_ready=wait)
+                return method(request, timeout=left, metadata=metadata, wait_for_ready=wait)
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or ""
                 if code == grpc.StatusCode.CANCELLED:
@@ -77,7 +83,7 @@ class Connection:
                     # a call that reaches it as it stops, so the sidecar is going away
                     code, details = grpc.StatusCode.UNAVAILABLE, f"the sidecar dropped the call ({details})"
                 if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
-                    time.sleep(min(deadline, 0.02 * 2**attempt))
+                    time.sleep(max(0.0, min(end - time.monotonic(), 0.02 * 2**attempt)))
                     continue  # same request id: the sidecar answers a retry idempotently
                 raise HiCacheRpcError(code, details) from None
         raise AssertionError("unreachable")
