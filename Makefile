@@ -51,14 +51,18 @@ $(SGL_STAMP): requirements-sglang.txt pyproject.toml setup.py $(C_SOURCES)
 	$(SGL_PY) -m pip install -q torch==2.13.0
 	$(SGL_PY) -m pip install -q --no-deps -r requirements-sglang.txt
 	$(SGL_PY) -m pip install -q -e '.[dev]'
+	@# stand-ins for SGLang's CPU gaps, active only under SGLANG_USE_CPU_ENGINE=1 (launch_server --device cpu)
+	printf '%s\nimport sglang_cpu_standins\n' "$(CURDIR)/tests/integrations/sglang_server/standins" \
+	  > "$$($(SGL_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sglang_cpu_standins.pth"
 	touch $(SGL_STAMP)
 
 sglang-env: $(SGL_STAMP)
 
-# the adapter's tests against SGLang's real classes; HICACHE_REQUIRE_ENGINES turns a missing
-# engine into a failure instead of a skip
+# the adapter's tests against SGLang's real classes, and SGLang's real server (launch_server on
+# CPU, tests/integrations/sglang_server); HICACHE_REQUIRE_ENGINES turns a missing engine into a
+# failure instead of a skip
 test-sglang: $(SGL_STAMP)
-	@rc=0; HICACHE_REQUIRE_ENGINES=sglang TRITON_INTERPRET=1 $(SGL_PY) -m pytest tests/integrations $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; HICACHE_REQUIRE_ENGINES=sglang,sglang-server TRITON_INTERPRET=1 $(SGL_PY) -m pytest tests/integrations $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
 
 bench-sglang: $(SGL_STAMP)
