@@ -104,6 +104,7 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._timer: threading.Timer | None = None
         self._closed = False
         self._down_until = 0.0
+        self._failing = False  # since the last lookup that succeeded (the failure was logged)
         self._pools: list[dict[int, tuple[str, str]]] | None = None
         self.residency: ChunkResidency | None = None  # with vLLM's KV events on: what the sidecar holds
         self.feed: SidecarEventFeed | None = None
@@ -168,6 +169,8 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         with self._lock:
             if failed is not None:
                 self._fail("lookup", failed)
+            else:
+                self._failing = False
             for key, answer in answers.items():
                 old = self._held.pop(key, None)  # an expired answer asked again: its pins go
                 if old is not None:
@@ -243,12 +246,17 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return [ranks[group][0] for ranks in pools]
 
     def _fail(self, what: str, exc: Exception) -> None:
-        """Misses for retry_s. Called with the lock held."""
-        first = time.monotonic() >= self._down_until
+        """Misses for retry_s. Called with the lock held. An outage is logged once (until a
+        lookup succeeds again); workers that are not registered (LookupError) said why themselves."""
         self._down_until = time.monotonic() + self.options.retry_s
         self._pools = None  # a restarted sidecar gives the workers new pool ids
-        if first:
-            log.warning("hicache %s failed (%s); misses for %.0f s", what, exc, self.options.retry_s)
+        if self._failing or isinstance(exc, LookupError):
+            log.debug("hicache %s failed (%s); misses for %.0f s", what, exc, self.options.retry_s)
+        else:
+            log.warning(
+                "hicache %s failed (%s); misses until it answers (asked every %.0f s)", what, exc, self.options.retry_s
+            )
+        self._failing = True
 
     def _expire(self, now: float) -> None:
         """Drop the pins of expired HIT answers. Called with the lock held."""

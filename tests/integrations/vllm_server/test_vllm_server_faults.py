@@ -80,11 +80,6 @@ def test_an_engine_started_without_its_sidecar_serves_the_engine_alones_outputs(
     assert server.metrics()[EXTERNAL_HITS] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="manager.py warns 'hicache lookup failed (not every worker ... has registered its pools yet)' "
-    "again every retry_s while the sidecar stays down (the worker has said why already)",
-)
 def test_an_engine_started_without_its_sidecar_says_so_in_one_line(server: VllmServer, sidecar: Sidecar) -> None:
     """After the requests above (several retry_s apart): the worker's one line, nothing more."""
     assert not sidecar.up
