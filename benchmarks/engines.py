@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reply-tokens", type=int, default=16)
     ap.add_argument("--no-chat", action="store_true")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    ap.add_argument("--keep", action="store_true", help="keep the folder of the model and server logs")
     return ap.parse_args(argv)
 
 
@@ -269,7 +270,10 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = bench.run(name)
             print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if a.keep:
+            print(f"model and server logs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     setup = {
         "params": params(a),
         "layers": a.layers,
