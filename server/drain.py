@@ -49,8 +49,3 @@ class Drain:
             self.draining = True
             self._cond.wait_for(lambda: self._running == 0, timeout=timeout)
         return max(0.0, end - time.monotonic())
-
-    @property
-    def running(self) -> int:
-        with self._cond:
-            return self._running
