@@ -22,6 +22,17 @@ import torch
 
 VOCAB = 512
 LM_HEAD_STD = 1.0  # the other linear layers use 0.02 (HF's initializer_range)
+# what every model's config.json says alike
+_CONFIG = {
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": VOCAB,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
 
 
 def _save(folder: Path, config: dict[str, Any], weights: dict[str, torch.Tensor]) -> str:
@@ -84,15 +95,8 @@ def llama(folder: Path, *, layers: int = 2, hidden: int = 256, heads: int = 4, k
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "vocab_size": VOCAB,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "torch_dtype": "bfloat16",
+        **_CONFIG,
     }
     gen = torch.Generator().manual_seed(seed)
     weights = _common(gen, hidden, VOCAB)
@@ -138,15 +142,8 @@ def deepseek_v2(
         "num_experts_per_tok": 1,
         "first_k_dense_replace": layers,
         "moe_layer_freq": 1,
-        "hidden_act": "silu",
-        "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "vocab_size": VOCAB,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "torch_dtype": "bfloat16",
+        **_CONFIG,
     }
     gen = torch.Generator().manual_seed(seed)
     weights = _common(gen, hidden, VOCAB)
