@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
+from integrations.server_process import ServerProcess, launch, require_importable
 
 ROOT = Path(__file__).resolve().parents[3]
 SERVER_PYTHON = os.environ.get("HICACHE_SGLANG_SERVER_PYTHON") or str(ROOT / ".venv-sglang" / "bin" / "python")
@@ -34,20 +31,7 @@ CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 def require_sglang_server(python: str = SERVER_PYTHON) -> str:
     """`python`, once it imports SGLang's HTTP server; else a skip of the module, or a failure
     where HICACHE_REQUIRE_ENGINES names sglang-server (`make test-sglang`)."""
-    try:
-        probe = subprocess.run(
-            [python, "-c", "import sglang.srt.entrypoints.http_server"],
-            capture_output=True, text=True, timeout=300, env={**os.environ, **CPU_ENV},
-        )  # fmt: skip
-        why = probe.stderr.strip().splitlines()[-1:] if probe.returncode else None
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        why = [str(exc)]
-    if why is not None:
-        message = f"{NEEDED} ({python}: {why[0] if why else 'failed'})"
-        if "sglang-server" in os.environ.get("HICACHE_REQUIRE_ENGINES", "").split(","):
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message, allow_module_level=True)
-    return python
+    return require_importable(python, "sglang.srt.entrypoints.http_server", NEEDED, "sglang-server", CPU_ENV)
 
 
 def hicache_args(target: str, **extra: object) -> tuple[str, ...]:
@@ -71,12 +55,8 @@ def hicache_args(target: str, **extra: object) -> tuple[str, ...]:
 
 
 @dataclass
-class SglangServer:
-    """One running server: `url` is http://127.0.0.1:<port>, `log` its stdout and stderr."""
-
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
+class SglangServer(ServerProcess):
+    """One running SGLang server (ServerProcess: url, log, tail, stop)."""
 
     def generate(self, ids: list[int], max_new_tokens: int = 8) -> dict[str, Any]:
         """SGLang's whole /generate answer for a greedy token-id prompt."""
@@ -95,24 +75,6 @@ class SglangServer:
         with urllib.request.urlopen(urllib.request.Request(self.url + "/flush_cache", method="POST"), timeout=60):
             pass
 
-    def tail(self, lines: int = 40) -> str:
-        text = self.log.read_text(errors="replace").replace("\r", "\n")
-        return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
-
-    def stop(self, grace_s: float = 30.0) -> None:
-        """SIGINT, then SIGKILL to the server's process group (its scheduler too)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=30)
-
 
 def start_sglang_server(
     model: str, log: Path, *, extra: tuple[str, ...] = (), python: str = SERVER_PYTHON, timeout_s: float = 300.0
@@ -128,24 +90,11 @@ def start_sglang_server(
         "--page-size", str(PAGE), "--max-total-tokens", str(TOKENS), "--enable-hierarchical-cache",
         "--hicache-io-backend", "direct", "--hicache-ratio", "2", *extra,
     ]  # fmt: skip
-    start = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **CPU_ENV}
-        )
-    server = SglangServer(proc, f"http://127.0.0.1:{port}", log)
-    while time.monotonic() - start < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"SGLang's server exited with {proc.returncode}:\n{server.tail()}")
-        try:
-            with urllib.request.urlopen(server.url + "/health_generate", timeout=60) as reply:
-                if reply.status == 200:
-                    return server
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1)
-    server.stop()
-    raise RuntimeError(f"SGLang's server was not healthy after {timeout_s:.0f} s:\n{server.tail()}")
+    base, _ = launch(
+        args, log, port, health="/health_generate", name="SGLang's server", timeout_s=timeout_s,
+        env={**os.environ, **CPU_ENV}, poll_s=1.0, health_timeout_s=60.0,
+    )  # fmt: skip
+    return SglangServer(base.proc, base.url, base.log)
 
 
 def cached(answer: dict[str, Any]) -> dict[str, int]:

@@ -25,7 +25,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from integrations.server_process import ServerProcess, launch, require_importable
 
 ROOT = Path(__file__).resolve().parents[3]
 SERVER_PYTHON = os.environ.get("HICACHE_VLLM_SERVER_PYTHON") or str(ROOT / ".venv-vllm-cpu" / "bin" / "python")
@@ -56,19 +56,7 @@ def require_vllm_server(python: str = SERVER_PYTHON) -> str:
     """`python`, once it imports vLLM's OpenAI server; else a skip of the module, or a failure
     where HICACHE_REQUIRE_ENGINES names vllm-server (`make test-vllm-cpu`). Not plain "vllm":
     `make test-vllm` requires that, and its .venv-vllm (vLLM --no-deps) cannot serve."""
-    try:
-        probe = subprocess.run(
-            [python, "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True, text=True, timeout=300
-        )
-        why = probe.stderr.strip().splitlines()[-1:] if probe.returncode else None
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        why = [str(exc)]
-    if why is not None:
-        message = f"{NEEDED} ({python}: {why[0] if why else 'failed'})"
-        if "vllm-server" in os.environ.get("HICACHE_REQUIRE_ENGINES", "").split(","):
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message, allow_module_level=True)
-    return python
+    return require_importable(python, "vllm.entrypoints.openai.api_server", NEEDED, "vllm-server")
 
 
 def free_port() -> int:
@@ -78,13 +66,10 @@ def free_port() -> int:
 
 
 @dataclass
-class VllmServer:
-    """One running server: `url` is http://127.0.0.1:<port>, `log` its stdout and stderr."""
+class VllmServer(ServerProcess):
+    """One running vLLM server (ServerProcess: url, log, tail, stop) of `model`."""
 
-    proc: subprocess.Popen[bytes]
-    url: str
-    model: str
-    log: Path
+    model: str = ""
     started_s: float = 0.0  # seconds from launch to a healthy /health
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
@@ -121,25 +106,6 @@ class VllmServer:
                 out[name] = out.get(name, 0.0) + float(value)
         return out
 
-    def tail(self, lines: int = 40) -> str:
-        text = self.log.read_text(errors="replace").replace("\r", "\n")
-        return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
-
-    def stop(self, grace_s: float = 30.0) -> None:
-        """SIGINT (vLLM shuts its engine down), then SIGKILL to the server's process group
-        (the engine core and worker processes too) after grace_s."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=30)
-
 
 def start_vllm_server(
     model: str,
@@ -169,23 +135,8 @@ def start_vllm_server(
     ]  # fmt: skip
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    start = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*args, *extra], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    server = VllmServer(proc, f"http://127.0.0.1:{port}", model, log)
-    while time.monotonic() - start < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{server.tail()}")
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=5) as reply:
-                if reply.status == 200:
-                    server.started_s = time.monotonic() - start
-                    return server
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"vLLM's server was not healthy after {timeout_s:.0f} s:\n{server.tail()}")
+    base, took = launch([*args, *extra], log, port, health="/health", name="vLLM's server", timeout_s=timeout_s)
+    return VllmServer(base.proc, base.url, base.log, model, took)
 
 
 def prompt(seed: int, n: int) -> list[int]:
