@@ -3,13 +3,16 @@ host pool), over a running hicache-server.
 
 SGLang builds it with `cls(storage_config, kwargs)` and registers its host pools; every
 host pool (the KV pool, and an SWA pool for hybrid models) becomes one sidecar pool, whose
-geometry the sidecar checks at registration, so a mismatch fails SGLang's start-up. The
-data-path methods never raise: a sidecar that is down or restarting gives misses (False, 0).
+geometry the sidecar checks at registration, so a mismatch fails SGLang's start-up. A
+sidecar that is down at start-up does not stop SGLang: one warning, misses, and the pool is
+registered once the sidecar answers. The data-path methods never raise: a sidecar that is
+down or restarting gives misses (False, 0).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -31,6 +34,7 @@ from hicache.integrations.sglang.pool_views import flat_page_views, fp8_setting,
 
 log = logging.getLogger("hicache.integrations.sglang")
 GROUPS = {"kv": "full", "swa": "swa"}  # SGLang host pool name -> hicache KV group
+RETRY_S = 1.0  # how often a sidecar that was down at start-up is asked again
 
 
 class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
@@ -44,8 +48,10 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
         self.links: dict[str, PoolLink] = {}
         self.registered_pools: dict[str, Any] = {}
         self._said: set[str] = set()
+        self._waiting: set[str] = set()  # host pools whose sidecar was down at start-up
+        self._closed = threading.Event()
 
-    # ---- registration (start-up: errors raise, so SGLang fails to start) -------------------
+    # ---- registration (start-up: a refusal raises, so SGLang fails to start) ---------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self._link("kv", mem_pool_host)
@@ -93,7 +99,9 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
                 f"and a sidecar on a Unix socket; target is {opts.target!r}"
             )
         direct = can_direct and opts.copy != "staging"
-        try:
+        how = "direct (SGLang's memfds)" if direct else "through a staging pool"
+
+        def connect() -> PoolLink:
             link = PoolLink(
                 self.client,
                 host_pool,
@@ -103,19 +111,52 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
                 register_kw=register_kw,
                 direct=direct,
             )
+            if mla and name == "kv":
+                try:
+                    self._check_mla_readers(link)
+                except BaseException:
+                    link.close()
+                    raise
+            return link
+
+        try:
+            link = connect()
         except (HiCacheRpcError, OSError) as exc:
-            down = isinstance(exc, OSError) or exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
-            fix = " (is hicache-server running there? check 'target' in the extra config)" if down else ""
-            raise ValueError(f"hicache sidecar at {opts.target} refused SGLang's {name!r} pool: {exc}{fix}") from None
-        if mla and name == "kv":
-            try:
-                self._check_mla_readers(link)
-            except BaseException:
-                link.close()
-                raise
+            if not down(exc):
+                raise ValueError(f"hicache sidecar at {opts.target} refused SGLang's {name!r} pool: {exc}") from None
+            self._say(
+                "down",
+                f"the sidecar at {opts.target} does not answer ({exc}): SGLang starts without it and its "
+                f"{name!r} pool gets misses until it answers (asked every {RETRY_S:g} s; is hicache-server "
+                "running there? check 'target' in the extra config)",
+            )
+            self._waiting.add(name)
+            threading.Thread(target=self._link_later, args=(name, connect, how), daemon=True).start()
+            return
+        self._linked(name, link, how)
+
+    def _linked(self, name: str, link: PoolLink, how: str) -> None:
         self.links[name] = link
-        how = "direct (SGLang's memfds)" if direct else "through a staging pool"
-        log.info("hicache: SGLang pool %r is sidecar pool %s, %s (%s)", name, link.pool_id, how, geometry)
+        self._waiting.discard(name)
+        log.info("hicache: SGLang pool %r is sidecar pool %s, %s (%s)", name, link.pool_id, how, link.geometry)
+
+    def _link_later(self, name: str, connect: Any, how: str) -> None:
+        """A pool whose sidecar was down at start-up: connect() every RETRY_S s until it
+        answers (quietly: start-up said it once). A refusal then is logged, and it stays
+        unlinked (misses)."""
+        while not self._closed.wait(RETRY_S):
+            try:
+                link = connect()
+            except (HiCacheRpcError, OSError) as exc:
+                if down(exc):
+                    continue
+                log.error("hicache: the sidecar at %s refused SGLang's %r pool: %s", self.options.target, name, exc)
+                return
+            except ValueError as exc:
+                log.error("hicache: SGLang's %r pool cannot use the sidecar at %s: %s", name, self.options.target, exc)
+                return
+            self._linked(name, link, how)
+            return
 
     def _check_mla_readers(self, link: PoolLink) -> None:
         """SGLang stores MLA pages from its writer ranks only (tp_rank == dcp_rank), so the
@@ -154,6 +195,8 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             log.warning("hicache: %s", message)
 
     def _failed(self, method: str, exc: Exception) -> None:
+        if isinstance(exc, KeyError) and exc.args and exc.args[0] in self._waiting:
+            return  # not linked yet: start-up said so once
         kind = exc.code.name if isinstance(exc, HiCacheRpcError) else type(exc).__name__
         self._say(f"{method}:{kind}", f"{method} answered as a miss: {exc}")
 
@@ -291,9 +334,17 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
                 self._failed("clear", exc)
 
     def close(self) -> None:
+        self._closed.set()
         self.client.close()
         for link in self.links.values():
             link.close()
+
+
+def down(exc: Exception) -> bool:
+    """Whether a failed call means the sidecar is not there (rather than refusing)."""
+    if isinstance(exc, HiCacheRpcError):
+        return exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+    return isinstance(exc, OSError)
 
 
 def mla_shard(cfg: HiCacheStorageConfig) -> str:
