@@ -1,7 +1,8 @@
-"""The README's Python snippets run as written, in order, against the real library and a live
-in-process sidecar. The only edits: the sidecar's socket path becomes the test's, and the
-names a snippet takes from its surroundings (an engine's device pool, token ids, its own
-prefix cache and model) are given real values here."""
+"""The Python snippets of the README and of docs/ (the pages that continue it: engines, storage
+tiers, security) run as written, in order, against the real library and a live in-process
+sidecar. The only edits: the sidecar's socket path becomes the test's, and the names a snippet
+takes from its surroundings (an engine's device pool, token ids, its own prefix cache and
+model) are given real values here."""
 
 from __future__ import annotations
 
@@ -26,14 +27,17 @@ from hicache.sidecar.config import ServiceConfig
 from server import ServerConfig, create_server
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
 BLOCKS = [
-    textwrap.dedent(b) for b in re.findall(r"^ *```python\n(.*?)^ *```", (ROOT / "README.md").read_text(), re.S | re.M)
+    textwrap.dedent(b)
+    for doc in DOCS
+    for b in re.findall(r"^ *```python\n(.*?)^ *```", (ROOT / doc).read_text(), re.S | re.M)
 ]
 
 
 def block(marker: str) -> str:
     found = [b for b in BLOCKS if marker in b]
-    assert len(found) == 1, f"expected one README python block containing {marker!r}, found {len(found)}"
+    assert len(found) == 1, f"expected one python block in {DOCS} containing {marker!r}, found {len(found)}"
     return found[0]
 
 
