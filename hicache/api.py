@@ -138,6 +138,8 @@ class PoolStats:
     storage_nodes_down: tuple[str, ...] = ()  # Redis servers / cluster nodes down now (host:port)
     write_policy: str = ""  # write_through | write_through_selective | write_back
     copy_path: str = "sidecar"  # who copies device <-> host: the sidecar, or the engine itself
+    cache_id: str = ""  # its host cache: pools of one model and rank slice share one (host_* counted once)
+    cache_members: int = 1  # the registered pools sharing that host cache, this one included
 
 
 @dataclass(frozen=True)

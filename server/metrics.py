@@ -10,13 +10,16 @@ nothing here adds work to a call), and an interceptor times every RPC:
   hicache_checksum_failures_total{tier}         stored pages that failed their checksum (served as misses)
   hicache_transfer_seconds_total{direction}     time in device<->host copies (rate: bytes / seconds)
   hicache_host_pool_pages{state}                used, pinned; hicache_host_pool_capacity_pages
+  hicache_host_cache_members                    pools sharing the host cache (engines, ranks of one model)
   hicache_storage_healthy{backend}, hicache_storage_write_queue_pages, hicache_pools
   hicache_copy_backend_info{backend}            1 for the pool's copy path: native, torch or triton
   hicache_rpc_duration_seconds{method,code}     histogram of every RPC (method: service/method)
 
 Per-pool series carry the labels pool (model|namespace|group|rank: stable across
-re-registrations), group and namespace. The process collector adds process_* (CPU, memory,
-open fds).
+re-registrations), group and namespace. Pools that share a host cache (one model and rank
+slice: hicache.sidecar.shared_cache) share that name; the cache's own figures (host pages,
+hits, misses, evictions, storage traffic) are counted once, the copies of each pool summed.
+The process collector adds process_* (CPU, memory, open fds).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class ServiceCollector(Collector):
     def __init__(self, service: HiCacheService):
         self.service = service
         self._lock = threading.Lock()  # one scrape or release at a time: they share the tables below
-        self._seen: dict[str, dict[Series, float]] = {}  # pool id -> its counters at the last scrape
+        self._seen: dict[str, dict[Series, float]] = {}  # pool or cache id -> its counters at the last scrape
         self._released: dict[Series, float] = defaultdict(float)  # what released pools counted
         service.add_release_hook(self.released)
 
@@ -69,15 +72,20 @@ class ServiceCollector(Collector):
     def released(self, pool: RegisteredPool) -> None:
         """A pool was released (and closed: its transfers and storage writes are done): keep
         its final counts, including what it counted since the last scrape."""
+        owners = [pool.identity.pool_id]
+        if pool.shared.closing:  # its cache closed with it: the cache's counters end too
+            owners.append(pool.shared.cache_id)
         with self._lock:
-            last = self._seen.pop(pool.identity.pool_id, None)
             try:
-                final = _counts(pool)[0]
+                mine, cache, _ = _counts(pool)
+                finals = [mine, cache]
             except Exception:  # unreadable: what the last scrape saw is the best there is
                 log.warning("pool %s: final counters unreadable; metrics keep its last scrape", pool.identity.pool_id)
-                final = last or {}
-            for series, value in final.items():
-                self._released[series] += value
+                finals = [self._seen.get(owner) or {} for owner in owners]
+            for owner, final in zip(owners, finals, strict=False):
+                self._seen.pop(owner, None)
+                for series, value in final.items():
+                    self._released[series] += value
 
     def _families(self) -> list[Metric]:
         c, g = CounterMetricFamily, GaugeMetricFamily
@@ -90,6 +98,7 @@ class ServiceCollector(Collector):
         checksum = c("hicache_checksum_failures", "Stored pages that failed their checksum", labels=[*POOL, "tier"])
         host = g("hicache_host_pool_pages", "Host pool pages in use, by state", labels=[*POOL, "state"])
         capacity = g("hicache_host_pool_capacity_pages", "Host pool pages in all", labels=POOL)
+        members = g("hicache_host_cache_members", "Registered pools sharing the host cache", labels=POOL)
         healthy = g("hicache_storage_healthy", "1 if the storage tier can serve", labels=[*POOL, "backend"])
         queue = g("hicache_storage_write_queue_pages", "Pages waiting to be written to storage", labels=POOL)
         copies = g(
@@ -103,23 +112,27 @@ class ServiceCollector(Collector):
         seen: dict[str, dict[Series, float]] = {}
         pools = self.service.pool_snapshots()
         for pool in pools:
-            pool_id = pool.identity.pool_id
+            pool_id, cache_id = pool.identity.pool_id, pool.shared.cache_id
             try:
-                counts, s = _counts(pool)
+                counts, cache_counts, s = _counts(pool)
             except Exception:  # closing while we looked: carried below
                 continue
             ids = (pool.identity.series, s.group, s.namespace)
             seen[pool_id] = counts
+            infos.add((*ids, s.copy_backend))
+            if cache_id in seen:  # another member counted its cache
+                continue
+            seen[cache_id] = cache_counts
             sums[("host", *ids, "used")] += s.used_pages
             sums[("host", *ids, "pinned")] += s.pinned_pages
             sums[("capacity", *ids)] += s.host_pages
+            sums[("members", *ids)] += s.cache_members
             sums[("queue", *ids)] += s.storage_write_queue
             key = ("healthy", *ids, s.storage_backend)
             lows[key] = min(lows.get(key, 1.0), 1.0 if s.storage_healthy else 0.0)
-            infos.add((*ids, s.copy_backend))
-        for pool_id, counts in self._seen.items():
-            if pool_id not in seen:  # closing: as last seen until its release hook retires it
-                seen[pool_id] = counts
+        for owner, counts in self._seen.items():
+            if owner not in seen:  # closing: as last seen until its release hook retires it
+                seen[owner] = counts
         self._seen = seen
         for series, value in self._released.items():
             sums[series] += value
@@ -129,6 +142,7 @@ class ServiceCollector(Collector):
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
             "pages": pages, "bytes": nbytes, "seconds": seconds, "hits": hits, "misses": misses,
             "evictions": evictions, "checksum": checksum, "host": host, "capacity": capacity, "queue": queue,
+            "members": members,
         }  # fmt: skip
         for (name, *labels), value in sums.items():
             families[name].add_metric(labels, value)
@@ -140,33 +154,35 @@ class ServiceCollector(Collector):
         return [*families.values(), healthy, copies, pool_count]
 
 
-def _counts(pool: RegisteredPool) -> tuple[dict[Series, float], PoolStats]:
-    """The pool's counter series, and its stats (for the gauges). Raises what a closing
-    pool's reads raise."""
+def _counts(pool: RegisteredPool) -> tuple[dict[Series, float], dict[Series, float], PoolStats]:
+    """The pool's own counter series (its copies), its host cache's (shared with the cache's
+    other members: tiers' hits and misses, evictions, storage traffic), and its stats (for
+    the gauges). Raises what a closing pool's reads raise."""
     s, cs = pool.stats(), pool.cache.stats()
     with pool.lock:
         copy_s = (pool.counters.offload_s, pool.counters.reload_s)
     ids = (pool.identity.series, s.group, s.namespace)
     st, pb = cs["storage"], max(s.page_bytes, 1)
-    counts: dict[Series, float] = defaultdict(float)
+    mine: dict[Series, float] = defaultdict(float)
+    cache: dict[Series, float] = defaultdict(float)
     moved = (
-        ("device_to_host", "host", s.offload_bytes // pb, s.offload_bytes),
-        ("host_to_device", "host", s.reload_bytes // pb, s.reload_bytes),
-        ("host_to_storage", "storage", st["writes"], st["bytes_written"]),
-        ("storage_to_host", "storage", st["bytes_read"] // pb, st["bytes_read"]),
+        (mine, "device_to_host", "host", s.offload_bytes // pb, s.offload_bytes),
+        (mine, "host_to_device", "host", s.reload_bytes // pb, s.reload_bytes),
+        (cache, "host_to_storage", "storage", st["writes"], st["bytes_written"]),
+        (cache, "storage_to_host", "storage", st["bytes_read"] // pb, st["bytes_read"]),
     )
-    for direction, tier, n_pages, n_bytes in moved:
+    for counts, direction, tier, n_pages, n_bytes in moved:
         counts[("pages", *ids, direction, tier)] += n_pages
         counts[("bytes", *ids, direction, tier)] += n_bytes
-    counts[("seconds", *ids, "device_to_host")] += copy_s[0]
-    counts[("seconds", *ids, "host_to_device")] += copy_s[1]
+    mine[("seconds", *ids, "device_to_host")] += copy_s[0]
+    mine[("seconds", *ids, "host_to_device")] += copy_s[1]
     for t in s.tiers:
-        counts[("hits", *ids, t.tier.value)] += t.hits
-        counts[("misses", *ids, t.tier.value)] += t.misses
-    counts[("evictions", *ids, "host")] += pool.index.evictions
-    counts[("evictions", *ids, "storage")] += st["evictions"]
-    counts[("checksum", *ids, "storage")] += st["corrupt"]
-    return dict(counts), s
+        cache[("hits", *ids, t.tier.value)] += t.hits
+        cache[("misses", *ids, t.tier.value)] += t.misses
+    cache[("evictions", *ids, "host")] += pool.index.evictions
+    cache[("evictions", *ids, "storage")] += st["evictions"]
+    cache[("checksum", *ids, "storage")] += st["corrupt"]
+    return dict(mine), dict(cache), s
 
 
 class LatencyInterceptor(grpc.ServerInterceptor):

@@ -115,6 +115,11 @@ class KeyOpsMixin:
                     out.append("unpinned")
         return out
 
+    def resident(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is on host now."""
+        with self._lock:
+            return [k in self.index for k in keys]
+
     def pinned_pages(self) -> int:
         with self._lock:
             return sum(1 for k in self.index.keys() if self.index.pins(k))

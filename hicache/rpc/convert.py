@@ -161,6 +161,8 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
         storage_nodes_down=list(s.storage_nodes_down),
         write_policy=s.write_policy,
         copy_path=s.copy_path,
+        cache_id=s.cache_id,
+        cache_members=s.cache_members,
     )
 
 
@@ -191,6 +193,8 @@ def stats_from_pb(m: pb.PoolStats) -> PoolStats:
         tuple(m.storage_nodes_down),
         m.write_policy,
         m.copy_path or "sidecar",
+        m.cache_id,
+        m.cache_members or 1,
     )
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from hicache.sidecar.errors import StateError
 
 if TYPE_CHECKING:
-    from hicache.sidecar.pool import RegisteredPool
+    from hicache.sidecar.shared_cache import SharedHostCache
 
 log = logging.getLogger("hicache.sidecar.service")
 
@@ -33,11 +33,11 @@ def first_pages(host_pages: int, page_bytes: int) -> int:
 
 
 class HostGrower:
-    """The background thread that grows pools to their host_goal (started on first need)."""
+    """The background thread that grows host caches to their host_goal (started on first need)."""
 
-    def __init__(self, space_lock: threading.Lock, pools: Callable[[], list[RegisteredPool]]):
+    def __init__(self, space_lock: threading.Lock, caches: Callable[[], list[SharedHostCache]]):
         self._space_lock = space_lock
-        self._pools = pools
+        self._caches = caches
         self._cond = threading.Condition()
         self._wanted = False  # guarded by _cond: a pool may be below its goal
         self._growing = False  # guarded by _cond: the thread is between two looks
@@ -86,19 +86,19 @@ class HostGrower:
                 self._cond.notify_all()
 
     def _step(self) -> bool:
-        """Grow the first pool below its goal by one step; False when none is."""
+        """Grow the first cache below its goal by one step; False when none is."""
         with self._space_lock:
-            for pool in self._pools():
-                have = pool.host_pages
-                if have >= pool.host_goal:
+            for shared in self._caches():
+                have = shared.host_pages
+                if have >= shared.host_goal:
                     continue
-                step = max(1, STEP_BYTES // pool.geometry.page_bytes)
+                step = max(1, STEP_BYTES // shared.geometry.page_bytes)
                 try:
-                    pool.resize_host(min(pool.host_goal, have + step))
+                    shared.resize_host(min(shared.host_goal, have + step))
                 except StateError:
                     continue  # closing: its memory goes with it
                 except OSError as exc:
-                    pool.host_goal = have
-                    log.warning("pool %s stays at %d host pages: %s", pool.identity.pool_id, have, exc)
+                    shared.host_goal = have
+                    log.warning("host cache %s stays at %d host pages: %s", shared.cache_id, have, exc)
                 return True
         return False

@@ -1,5 +1,7 @@
-"""One registered pool on the sidecar: the engine's mapped device pool, the host mirror,
-the host index and the transfers between them. Validates everything before changing state.
+"""One registered pool on the sidecar: the engine's mapped device pool, its share of a host
+cache (hicache.sidecar.shared_cache: the host mirror, its index and storage tier, shared by
+every pool of one model and rank slice) and the transfers between them. Validates everything
+before changing state.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import functools
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -25,7 +28,6 @@ from hicache.api import (
 )
 from hicache.cache.index import HostIndex
 from hicache.cache.prefetch import PrefetchHandle
-from hicache.cache.tiering import HierarchicalCache
 from hicache.memory.cuda_events import OpenedIpcEvents
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.sidecar.checks import check_keys, check_pages
@@ -45,6 +47,7 @@ from hicache.sidecar.operations import (
 from hicache.sidecar.pool_stats import Counters, pool_stats
 from hicache.sidecar.progress_block import ProgressBlock
 from hicache.sidecar.registration import PoolIdentity
+from hicache.sidecar.shared_cache import SharedHostCache
 from hicache.transfer import TransferEngine
 from hicache.transfer.cuda import StreamHook
 from hicache.transfer.engine import Backend
@@ -55,16 +58,16 @@ from hicache.validate import is_int
 
 class RegisteredPool:
     """Thread-safe. The HierarchicalCache guards the host index and the storage tier; this
-    object's lock guards only counters, operations and the closed flag, so copies run
-    without it: an offload fills host pages reserved for it alone, and a reload reads host
-    pages it holds references on, so nothing can evict or overwrite them meanwhile.
+    object's lock guards only counters, operations, its pins and the closed flag, so copies
+    run without it: an offload fills host pages reserved for it alone, and a reload reads
+    host pages it holds references on, so nothing can evict or overwrite them meanwhile.
     """
 
     def __init__(
         self,
         identity: PoolIdentity,
         device: DeviceKVPool | None,
-        cache: HierarchicalCache,
+        shared: SharedHostCache,
         *,
         max_batch: int,
         finished_ops_kept: int,
@@ -76,28 +79,29 @@ class RegisteredPool:
         device_pages: int = 0,
         grant_ttl_s: float = 30.0,
     ):
-        """`events`: where the pool publishes KV events (registered now, unregistered at close,
-        and every change of what its host index and storage tier hold). `offload_events`: the
+        """`shared`: the host cache it joins (hicache.sidecar.shared_cache); StateError if that
+        is closing. `events`: where the pool publishes KV events (registered now, unregistered
+        at close, and every change of what its host index and storage tier hold). `offload_events`: the
         engine's interprocess CUDA events, opened (an OpenedIpcEvents, closed with the pool),
         that offloads wait for on the GPU. `layerwise_inline_bytes`: a layer-wise reload of
         fewer bytes is copied before the answer (CPU pools). device None: the engine's memory
         is not mapped (copy path "engine": the engine copies through grants, see grants.py);
         device_pages then says how many pages it has."""
-        assert isinstance(cache.pool, HostKVPool)
         self.identity = identity
         self.device = device
-        self.cache = cache
-        self.host: HostKVPool = cache.pool
+        self.shared = shared
+        cache = self.cache = shared.cache
+        self.host: HostKVPool = shared.host
         self.engine = TransferEngine(device, self.host, io_backend) if device is not None else None
         self.geometry = cache.geometry
         self.device_pages = device.num_pages if device is not None else device_pages
         self.copy_path = "sidecar" if device is not None else "engine"
-        # the host pages it grows to in the background (sidecar.host_growth): its share of the budget
-        self.host_goal = self.host.num_pages
         self.grants = CopyGrants(cache, grant_ttl_s, clock)
         self.max_batch = max_batch
         self.counters = Counters()
         self.lock = threading.Lock()
+        self._pins: Counter[bytes] = Counter()  # this member's pins (guarded by _pin_lock)
+        self._pin_lock = threading.Lock()  # one pin or unpin of this pool at a time
         self.closed = False
         self._busy = 0  # calls and layer-wise workers in flight; close() waits for 0
         self._idle = threading.Condition(self.lock)
@@ -114,10 +118,9 @@ class RegisteredPool:
         self.offload_events = offload_events
         self.layerwise_inline_bytes = layerwise_inline_bytes
         self.events = events
-        if events is not None:
-            cache.index.observer = events.host
-            cache.storage.add_watcher(events.storage)
-            events.registered(cache.with_host_keys)
+        if not shared.join(identity.pool_id, self.geometry.pool_bytes(self.device_pages), events):
+            self._close_copiers()
+            raise StateError(f"host cache {shared.cache_id} closed while pool {identity.pool_id} joined it")
 
     @property
     def _copier(self) -> TransferEngine:
@@ -473,14 +476,36 @@ class RegisteredPool:
         return LookupResult(prefix, tiers)
 
     def pin(self, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
+        """Pin each resident key (PINNED, else NOT_FOUND). The pins are this pool's: other
+        members of its host cache cannot unpin them, and they go when this pool does."""
         ks = self.check_keys(keys)
-        with self._in_flight():
-            return tuple(KeyStatus[s.upper()] for s in self.cache.pin_each(ks))
+        with self._in_flight(), self._pin_lock:
+            got = self.cache.pin_each(ks)
+            self._pins.update(k for k, s in zip(ks, got, strict=True) if s == "pinned")
+        return tuple(KeyStatus[s.upper()] for s in got)
 
     def unpin(self, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
+        """Drop one of this pool's pins of each key: UNPINNED, NOT_PINNED (not pinned by this
+        pool, whoever else did) or NOT_FOUND (not on host)."""
         ks = self.check_keys(keys)
-        with self._in_flight():
-            return tuple(KeyStatus[s.upper()] for s in self.cache.unpin_each(ks))
+        with self._in_flight(), self._pin_lock:
+            left, mine = Counter(self._pins), []
+            for k in ks:  # each listing of a key takes one of this pool's pins of it
+                mine.append(left[k] > 0)
+                left[k] -= 1
+            ours = iter(self.cache.unpin_each([k for k, m in zip(ks, mine, strict=True) if m]))
+            theirs = iter(self.cache.resident([k for k, m in zip(ks, mine, strict=True) if not m]))
+            out = [next(ours) if m else "not_pinned" if next(theirs) else "not_found" for m in mine]
+            self._pins.subtract(k for k, s in zip(ks, out, strict=True) if s == "unpinned")
+            self._pins = +self._pins  # drop the keys at zero
+        return tuple(KeyStatus[s.upper()] for s in out)
+
+    def _unpin_all(self) -> None:
+        """Drop every pin this pool still holds (it is leaving its host cache)."""
+        with self._pin_lock:
+            if self._pins:
+                self.cache.unpin_each(list(self._pins.elements()))
+            self._pins.clear()
 
     def operation(self, op_id: str) -> Operation | PrefetchHandle:
         """Raises KeyError for an unknown id."""
@@ -501,29 +526,22 @@ class RegisteredPool:
                 in_flight=in_flight + len(self.grants),
                 copy_backend=self.engine.backend if self.engine is not None else "engine",
                 copy_path=self.copy_path,
+                cache_id=self.shared.cache_id,
+                cache_members=self.shared.members,
             )
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
     def host_pages(self) -> int:
-        """Host pages usable now (a shared host budget moves it; see resize_host)."""
-        return self.index.limit
-
-    def resize_host(self, pages: int) -> None:
-        """Use `pages` host pages (at most the pool's segment): growing commits their memory
-        first (OSError ENOSPC if it does not fit, nothing changed); shrinking evicts what
-        lies above and gives its memory back (on CPU; pinned CUDA memory stays allocated).
-        StateError once the pool is closing."""
-        with self._in_flight():  # close() waits for it, and a closed pool is left alone
-            old = self.index.limit
-            if pages > old:
-                self.host.commit_pages(old, min(pages, self.host.num_pages))
-            self.host.release_pages(self.cache.resize_host(pages))
+        """Host pages its cache can use now (a shared host budget moves it)."""
+        return self.shared.host_pages
 
     def close(self) -> None:
-        """Refuse new calls, let in-flight transfers finish, write what is queued for storage,
-        then release host memory (unlink), the device mapping and the storage tier. Each step
-        runs even when one before it raised; the first error is raised at the end. Idempotent."""
+        """Refuse new calls, let in-flight transfers finish, end its copy grants and pins,
+        release the device mapping, and leave its host cache; the last member closes the
+        cache (writes what is queued for storage, then releases the host memory and the
+        tier). Each step runs even when one before it raised; the first error is raised at
+        the end. Idempotent."""
         with self.lock:
             first = not self.closed
             self.closed = True
@@ -532,32 +550,27 @@ class RegisteredPool:
         if not first:  # a concurrent close() releases; return when it has
             self._released.wait()
             return
-        steps: list[Callable[[], object]] = [self.grants.close, self.cache.close]
-        if self.events is not None:
-            steps.append(self._detach_events)
-        steps.append(self.cache.storage.close)
-        parts = (self.engine, self.progress, self.layer_events, self.offload_events)
-        steps += [part.close for part in parts if part is not None]
-        steps.append(self.host.close)
-        if self.device is not None:
-            steps.append(self.device.close)
-        failure: BaseException | None = None
         try:
-            for step in steps:  # each runs whatever an earlier one raised: memory is never left behind
-                try:
-                    step()
-                except BaseException as exc:
-                    failure = failure or exc
+            self.shared.leave(self.identity.pool_id, self.events, self._close_own)
         finally:
             self._released.set()
-        if failure is not None:
-            raise failure
 
-    def _detach_events(self) -> None:
-        assert self.events is not None
-        self.cache.storage.remove_watcher(self.events.storage)
-        self.cache.index.observer = None
-        self.events.unregistered()
+    def _close_own(self) -> None:
+        """Release what is this member's alone, each step whatever an earlier one raised."""
+        with contextlib.ExitStack() as steps:  # run in reverse order
+            if self.device is not None:
+                steps.callback(self.device.close)
+            if self.offload_events is not None:
+                steps.callback(self.offload_events.close)
+            steps.callback(self._close_copiers)
+            steps.callback(self._unpin_all)
+            steps.callback(self.grants.close)
+
+    def _close_copiers(self) -> None:
+        with contextlib.ExitStack() as steps:
+            for part in (self.engine, self.progress, self.layer_events):
+                if part is not None:
+                    steps.callback(part.close)
 
     def check_integrity(self) -> None:
         with self.lock:

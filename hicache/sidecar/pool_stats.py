@@ -37,6 +37,8 @@ def pool_stats(
     in_flight: int,
     copy_backend: str,
     copy_path: str = "sidecar",
+    cache_id: str = "",
+    cache_members: int = 1,
 ) -> PoolStats:
     """`cs`: cache.stats(); `c`: the pool's counters (read under its lock)."""
     st = cs["storage"]
@@ -81,4 +83,6 @@ def pool_stats(
         tuple(st.get("nodes_down") or ()),
         cache.write_policy,
         copy_path,
+        cache_id,
+        cache_members,
     )

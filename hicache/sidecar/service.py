@@ -1,8 +1,9 @@
 """HiCacheService: the sidecar's logic, callable without gRPC.
 
 It holds registered pools by id, checks each engine's geometry against the one the sidecar
-derived from the model config, maps the engine's device memory, creates a host pool per
-registered pool, and serves offload / reload / prefetch / evict / lookup / pin calls.
+derived from the model config, maps the engine's device memory, gives each registered pool a
+host cache (one per model and rank slice, shared by every pool of that identity: see
+hicache.sidecar.shared_cache), and serves offload / reload / prefetch / evict / lookup / pin calls.
 Every mutating call takes a client-chosen request_id and is idempotent on retry. A pool
 whose client stops calling for lease_timeout_s is reclaimed by reap_expired().
 
@@ -45,6 +46,7 @@ from hicache.sidecar.operations import Operation, operation_events
 from hicache.sidecar.pool_table import PoolTable
 from hicache.sidecar.registration import PoolRequest, check_geometry
 from hicache.sidecar.request_cache import RequestCache, fingerprint
+from hicache.sidecar.shared_cache import CacheIdentity, SharedHostCache
 from hicache.storage.factory import backend_reachable
 
 if TYPE_CHECKING:
@@ -70,7 +72,8 @@ class HiCacheService:
         self._requests = RequestCache(config.request_cache_size)
         self._ipc = CudaIpcOpens()
         self._space_lock = threading.Lock()  # one pool at a time checks /dev/shm and reserves in it
-        self.host_growth = HostGrower(self._space_lock, self.pool_snapshots)  # pools reserve in steps
+        self._caches: dict[CacheIdentity, SharedHostCache] = {}  # the shareable ones (under the space lock)
+        self.host_growth = HostGrower(self._space_lock, self.cache_snapshots)  # caches reserve in steps
         self.events = EventBus()
         self._release_hooks: list[Callable[[RegisteredPool], None]] = []
         _sweep()
@@ -137,18 +140,22 @@ class HiCacheService:
             return self._refuse(refusal)
         from hicache.sidecar.pool_factory import make_parts  # torch: loaded with the first pool
 
+        key = CacheIdentity.of(req)
         with contextlib.ExitStack() as undo:
             # Whatever a bad request fails on (its memory, its events, its tier) comes first:
-            # the live pools give up host memory only to a pool that needs nothing else.
-            parts = make_parts(req, self.config, self._ipc, self.fds)
+            # the live pools give up host memory only to a pool that needs nothing else. A pool
+            # that will join a live host cache makes no tier of its own.
+            parts = make_parts(req, self.config, self._ipc, self.fds, with_tier=self._live_cache(key) is None)
             undo.callback(parts.close)
             # the budget split, the free-space check, the segment's reservation and the pool's
             # listing are one step: a concurrent registration sees this pool or none of it
             with self._space_lock:
-                pool = self._build(req, parts)
+                pool = self._join(req, parts, key)
                 if isinstance(pool, NoSpace):
                     return pool
                 undo.pop_all()  # the pool owns the parts now
+                if key is not None:
+                    self._caches[key] = pool.shared
                 refusal = self._pools.add(pool)
                 if refusal:
                     pool.close()
@@ -156,6 +163,27 @@ class HiCacheService:
                     return self._refuse(refusal)
         self.host_growth.wake()
         return _pool_info(pool, req, self.config.lease_timeout_s)
+
+    def _live_cache(self, key: CacheIdentity | None) -> SharedHostCache | None:
+        """The live host cache of identity `key`, if any (a hint unless under the space lock)."""
+        shared = self._caches.get(key) if key is not None else None
+        return shared if shared is not None and not shared.closing else None
+
+    def _join(self, req: PoolRequest, parts: PoolParts, key: CacheIdentity | None) -> RegisteredPool | NoSpace:
+        """The pool as a member of the live host cache of its identity, or of a new one
+        (_build). Under the space lock."""
+        shared = self._live_cache(key)
+        if shared is None:
+            return self._build(req, parts)
+        from hicache.sidecar.pool_factory import join_pool
+
+        try:
+            pool = join_pool(req, parts, shared, self.config, self.events)
+        except StateError:  # it began to close after it was looked up: a cache of its own
+            return self._build(req, parts)
+        self._rebalance()  # the cache's weight is its largest member's
+        log.info("pool %s joined host cache %s (%d members)", pool.identity.pool_id, shared.cache_id, shared.members)
+        return pool
 
     def _build(self, req: PoolRequest, parts: PoolParts) -> RegisteredPool | NoSpace:
         """The pool over `parts`, with its host pages taken from the budget (under the space
@@ -190,7 +218,7 @@ class HiCacheService:
         h = self.config.hierarchy
         if h.size_gb <= 0:
             return self.config.host_pages_for(req.geometry, req.device_pages)
-        live = self.pool_snapshots()
+        live = self.cache_snapshots()
         shares = split(
             self._budget,
             [*map(_claim, live), Claim(req.geometry.pool_bytes(req.device_pages), req.geometry.page_bytes)],
@@ -200,8 +228,8 @@ class HiCacheService:
                 f"the sidecar's host budget (--hicache-size {h.size_gb:g} GB) split over {len(shares)} pools "
                 f"leaves a share of less than one page ({req.geometry.page_bytes} bytes) for a pool"
             )
-        for pool, pages in zip(live, shares, strict=False):
-            _move_goal(pool, pages)
+        for shared, pages in zip(live, shares, strict=False):
+            _move_goal(shared, pages)
         return shares[-1]
 
     @property
@@ -209,17 +237,17 @@ class HiCacheService:
         return int(self.config.hierarchy.size_gb * 1e9)
 
     def _rebalance(self) -> None:
-        """Give each live pool its share of the budget again (after a pool left, or a
-        registration that failed): a pool above it shrinks now, one below grows to it in the
-        background (a pool that cannot grow, ENOSPC, keeps its size)."""
+        """Give each live host cache its share of the budget again (after a pool came or left,
+        or a registration that failed): a cache above it shrinks now, one below grows to it in
+        the background (a cache that cannot grow, ENOSPC, keeps its size)."""
         if self.config.hierarchy.size_gb <= 0:
             return
-        live = self.pool_snapshots()
+        live = self.cache_snapshots()
         if not live:
             return
-        for pool, pages in zip(live, split(self._budget, [_claim(p) for p in live]), strict=True):
+        for shared, pages in zip(live, split(self._budget, [_claim(c) for c in live]), strict=True):
             if pages >= 1:
-                _move_goal(pool, pages)
+                _move_goal(shared, pages)
         self.host_growth.wake()
 
     def _refuse(self, why: str) -> NoSpace:
@@ -256,6 +284,9 @@ class HiCacheService:
         finally:  # a failed step still released what it could: the pool goes
             with self._space_lock:
                 self._pools.remove(pool_id)
+                key = pool.shared.identity
+                if key is not None and pool.shared.closing and self._caches.get(key) is pool.shared:
+                    del self._caches[key]
                 self._rebalance()
             for hook in self._release_hooks:
                 try:
@@ -422,6 +453,11 @@ class HiCacheService:
         """Every open registered pool, renewing no lease (for metrics and health checks)."""
         return [p for p in self._pools.pools() if not p.closed]
 
+    def cache_snapshots(self) -> list[SharedHostCache]:
+        """Every open host cache (each once, however many pools share it)."""
+        caches = {id(p.shared): p.shared for p in self.pool_snapshots()}
+        return [c for c in caches.values() if not c.closing]
+
     def healthy(self) -> tuple[bool, str]:
         """(True, "") when every configured tier can serve; (False, why) while a registered
         pool's storage tier is down, or, before any pool registers, while the configured
@@ -477,26 +513,26 @@ def _pool_info(pool: RegisteredPool, req: PoolRequest, lease_timeout_s: float) -
     )
 
 
-def _move_goal(pool: RegisteredPool, pages: int) -> None:
-    """Make `pages` the pool's host goal: above it, it shrinks now; below it, the HostGrower
+def _move_goal(shared: SharedHostCache, pages: int) -> None:
+    """Make `pages` the cache's host goal: above it, it shrinks now; below it, the HostGrower
     grows it (under the space lock, as here)."""
-    pool.host_goal = pages
-    if pages < pool.host_pages:
-        _resize(pool, pages)
+    shared.host_goal = pages
+    if pages < shared.host_pages:
+        _resize(shared, pages)
 
 
-def _resize(pool: RegisteredPool, pages: int) -> None:
-    """pool.resize_host, for a rebalance: a pool that cannot grow (ENOSPC) keeps its size, and
-    one closing meanwhile is skipped (its budget comes back when it is gone)."""
+def _resize(shared: SharedHostCache, pages: int) -> None:
+    """shared.resize_host, for a rebalance: a cache that cannot grow (ENOSPC) keeps its size,
+    and one closing meanwhile is skipped (its budget comes back when it is gone)."""
     try:
-        pool.resize_host(pages)
+        shared.resize_host(pages)
     except (OSError, StateError) as exc:
-        log.warning("pool %s keeps %d host pages: %s", pool.identity.pool_id, pool.host_pages, exc)
+        log.warning("host cache %s keeps %d host pages: %s", shared.cache_id, shared.host_pages, exc)
 
 
-def _claim(pool: RegisteredPool) -> Claim:
-    g = pool.geometry
-    return Claim(g.pool_bytes(pool.device_pages), g.page_bytes, pool.host.num_pages)
+def _claim(shared: SharedHostCache) -> Claim:
+    g = shared.geometry
+    return Claim(shared.device_bytes, g.page_bytes, shared.host.num_pages)
 
 
 def _sweep() -> None:

@@ -57,7 +57,7 @@ def test_a_registration_reserves_its_first_pages_and_the_pool_grows_to_its_share
         first = first_pages(info.host_pages, dev.geometry.page_bytes)
         assert first < info.host_pages  # the segment is sized for the whole share
         (pool,) = svc.pool_snapshots()
-        assert pool.host_goal == info.host_pages and pool.host_pages >= first
+        assert pool.shared.host_goal == info.host_pages and pool.host_pages >= first
         assert svc.host_growth.settle(timeout=120)
         assert svc.stats(info.pool_id)[0].host_pages == info.host_pages
         assert allocated_bytes(info.host_shm_name) >= info.host_nbytes - FIRST_BYTES // 4  # reserved by now

@@ -451,7 +451,11 @@ def test_a_pool_registered_while_a_subscriber_takes_its_snapshot_is_announced_on
 
         def register_second() -> None:
             info = svc.register(
-                "reg-b", geometry=second_dev.geometry, device_pages=4, device_memory=second_dev.handle, model_id=MODEL
+                "reg-b",
+                geometry=second_dev.geometry,
+                device_pages=4,
+                device_memory=second_dev.handle,
+                model_id=MODEL + "-b",  # of one model, they would share one host cache
             )
             assert isinstance(info, PoolInfo)
             second.append(info.pool_id)

@@ -29,6 +29,7 @@ from hicache.pools import HostKVPool
 from hicache.sidecar.layer_events import LayerEvents
 from hicache.sidecar.pool import RegisteredPool
 from hicache.sidecar.registration import PoolIdentity
+from hicache.sidecar.shared_cache import SharedHostCache
 
 OPENED = 1000  # an opened event's number: the exporter's + OPENED
 
@@ -132,7 +133,7 @@ def test_an_offloads_ready_event_is_the_engines_event_it_names(rt: Runtime) -> N
     pool = RegisteredPool(
         ident,
         filled_device(4, geometry=g),
-        cache,
+        SharedHostCache(None, cache),
         max_batch=64,
         finished_ops_kept=8,
         offload_events=OpenedIpcEvents(handles),

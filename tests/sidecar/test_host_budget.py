@@ -94,8 +94,9 @@ def budget_service(gb: float) -> HiCacheService:
 
 
 def register(svc: HiCacheService, dev: DeviceKVPool, rid: str) -> PoolInfo:
+    """A pool of a model of its own (pools of one model would share one host cache)."""
     info = svc.register(
-        rid, geometry=dev.geometry, device_pages=dev.num_pages, device_memory=dev.handle, model_id=MODEL
+        rid, geometry=dev.geometry, device_pages=dev.num_pages, device_memory=dev.handle, model_id=f"{MODEL}-{rid}"
     )
     assert isinstance(info, PoolInfo), info
     return info

@@ -121,10 +121,11 @@ def test_page_stored_from_one_host_layout_is_served_exact_to_another(tier_config
     dev.close()
 
 
-def test_host_pages_belong_to_one_registered_pool():
+@pytest.mark.parametrize("other", [{"namespace": "u"}, {"model": MODEL + "-other"}])
+def test_host_pages_belong_to_their_namespace_and_model(other):
     svc = HiCacheService(ServiceConfig())  # host memory only
     a, b = filled_device(4, geometry=G, seed=1), filled_device(4, geometry=G, seed=2)
-    pa, pb = register(svc, a), register(svc, b)  # same model, same namespace, same key bytes
+    pa, pb = register(svc, a), register(svc, b, **other)  # same key bytes, another tenant or model
     ks = keys(2)
     svc.offload("o", pa, ks, [0, 1])
     zero_pages(b, range(4))

@@ -11,6 +11,7 @@ from hicache.cache.tiering import HierarchicalCache
 from hicache.pools import HostKVPool
 from hicache.sidecar.pool import RegisteredPool
 from hicache.sidecar.registration import PoolIdentity
+from hicache.sidecar.shared_cache import SharedHostCache
 
 G = GEOMETRIES["mimo_kv"]
 
@@ -18,7 +19,9 @@ G = GEOMETRIES["mimo_kv"]
 def pool_over(tier: MemoryTier, host_pages: int, **kw) -> RegisteredPool:  # type: ignore[no-untyped-def]
     cache = HierarchicalCache(HostKVPool(G, host_pages, "page_first"), tier, **kw)
     ident = PoolIdentity("p", "full", "", "m", "sha256", 32)
-    return RegisteredPool(ident, filled_device(4, geometry=G), cache, max_batch=64, finished_ops_kept=8)
+    return RegisteredPool(
+        ident, filled_device(4, geometry=G), SharedHostCache(None, cache), max_batch=64, finished_ops_kept=8
+    )
 
 
 def stored_tier(n: int) -> tuple[MemoryTier, list[bytes]]:

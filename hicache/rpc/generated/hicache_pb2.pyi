@@ -355,7 +355,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "group", "namespace", "model_id", "device_pages", "host_pages", "used_pages", "pinned_pages", "page_bytes", "tiers", "offload_bytes", "offload_gbps", "reload_bytes", "reload_gbps", "ops_in_flight", "storage_backend", "storage_healthy", "storage_write_queue", "copy_backend", "storage_nodes_down", "write_policy", "copy_path")
+    __slots__ = ("pool_id", "group", "namespace", "model_id", "device_pages", "host_pages", "used_pages", "pinned_pages", "page_bytes", "tiers", "offload_bytes", "offload_gbps", "reload_bytes", "reload_gbps", "ops_in_flight", "storage_backend", "storage_healthy", "storage_write_queue", "copy_backend", "storage_nodes_down", "write_policy", "copy_path", "cache_id", "cache_members")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +378,8 @@ class PoolStats(_message.Message):
     STORAGE_NODES_DOWN_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
     COPY_PATH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     group: str
     namespace: str
@@ -400,7 +402,9 @@ class PoolStats(_message.Message):
     storage_nodes_down: _containers.RepeatedScalarFieldContainer[str]
     write_policy: str
     copy_path: str
-    def __init__(self, pool_id: _Optional[str] = ..., group: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., device_pages: _Optional[int] = ..., host_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offload_bytes: _Optional[int] = ..., offload_gbps: _Optional[float] = ..., reload_bytes: _Optional[int] = ..., reload_gbps: _Optional[float] = ..., ops_in_flight: _Optional[int] = ..., storage_backend: _Optional[str] = ..., storage_healthy: _Optional[bool] = ..., storage_write_queue: _Optional[int] = ..., copy_backend: _Optional[str] = ..., storage_nodes_down: _Optional[_Iterable[str]] = ..., write_policy: _Optional[str] = ..., copy_path: _Optional[str] = ...) -> None: ...
+    cache_id: str
+    cache_members: int
+    def __init__(self, pool_id: _Optional[str] = ..., group: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., device_pages: _Optional[int] = ..., host_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offload_bytes: _Optional[int] = ..., offload_gbps: _Optional[float] = ..., reload_bytes: _Optional[int] = ..., reload_gbps: _Optional[float] = ..., ops_in_flight: _Optional[int] = ..., storage_backend: _Optional[str] = ..., storage_healthy: _Optional[bool] = ..., storage_write_queue: _Optional[int] = ..., copy_backend: _Optional[str] = ..., storage_nodes_down: _Optional[_Iterable[str]] = ..., write_policy: _Optional[str] = ..., copy_path: _Optional[str] = ..., cache_id: _Optional[str] = ..., cache_members: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("pools", "ops_in_flight")
