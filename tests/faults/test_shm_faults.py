@@ -43,7 +43,7 @@ RACE = textwrap.dedent(
     def register(i):
         start.wait()
         results[i] = svc.register(f"r{{i}}", geometry=g, device_pages=2, device_memory=devices[i].handle,
-                                  model_id="m", group="full")
+                                  model_id=f"m{{i}}", group="full")  # two models: two host pools
 
     threads = [threading.Thread(target=register, args=(i,)) for i in range(2)]
     for t in threads: t.start()
