@@ -66,9 +66,10 @@ class SglangServer(ServerProcess):
 
     started_s: float = 0.0  # seconds from launch to a healthy /health_generate
 
-    def generate(self, ids: list[int], max_new_tokens: int = 8) -> dict[str, Any]:
-        """SGLang's whole /generate answer for a greedy token-id prompt."""
-        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
+    def generate(self, ids: list[int], max_new_tokens: int = 8, **sampling: object) -> dict[str, Any]:
+        """SGLang's whole /generate answer for a greedy token-id prompt; `sampling` adds
+        sampling_params (ignore_eos, ...)."""
+        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, **sampling}}
         request = urllib.request.Request(
             self.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
@@ -119,20 +120,26 @@ def start_sglang_server(
     python: str = SERVER_PYTHON,
     timeout_s: float = 300.0,
     tokens: int = TOKENS,
+    page: int = PAGE,
+    host_ratio: float | None = 2.0,
     levelled: bool = False,
 ) -> SglangServer:
-    """SGLang's server for `model` on CPU with its hierarchical cache (host tier twice the
-    device's), `tokens` tokens in its device pool (--max-total-tokens), once /generate
-    answers. `levelled`: its log lines in LOG_FORMAT. Raises RuntimeError with the log's tail."""
+    """SGLang's server for `model` on CPU, `tokens` tokens in its device pool
+    (--max-total-tokens) in pages of `page`, once /generate answers. Its hierarchical cache
+    has a host tier of `host_ratio` times the device's (None: no hierarchical cache, SGLang's
+    radix cache alone). `levelled`: its log lines in LOG_FORMAT. Raises RuntimeError with
+    the log's tail."""
     from integrations.vllm_server.vllm_server_env import free_port
 
     port = free_port()
     args = [
         python, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
         "--device", "cpu", "--attention-backend", "torch_native", "--skip-tokenizer-init", "--disable-cuda-graph",
-        "--page-size", str(PAGE), "--max-total-tokens", str(tokens), "--enable-hierarchical-cache",
-        "--hicache-io-backend", "direct", "--hicache-ratio", "2", *extra,
+        "--page-size", str(page), "--max-total-tokens", str(tokens),
     ]  # fmt: skip
+    if host_ratio is not None:
+        args += ["--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-ratio", f"{host_ratio:g}"]
+    args += extra
     env = {**os.environ, **CPU_ENV}
     if levelled:
         env["SGLANG_LOGGING_CONFIG_PATH"] = str(logging_config(log.parent))

@@ -16,6 +16,7 @@ from sglang_server_env import (
     PAGE,
     SglangServer,
     cached,
+    engine_alone,
     hicache_args,
     require_sglang_server,
     start_sglang_server,
@@ -36,11 +37,8 @@ def world() -> Iterator[tuple[Path, str, Sidecar]]:
 
 
 @pytest.fixture(scope="module")
-def alone(world: tuple[Path, str, Sidecar]) -> Iterator[SglangServer]:
-    folder, model, _ = world
-    server = start_sglang_server(model, folder / "alone.log")
-    yield server
-    server.stop()
+def alone(request: pytest.FixtureRequest) -> SglangServer:
+    return engine_alone(request.config)  # one per pytest run, shared with the other modules
 
 
 @pytest.fixture(scope="module")
