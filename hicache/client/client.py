@@ -302,11 +302,13 @@ class HiCacheClient:
     ) -> RegisteredPool:
         """register_memory() for memory the sidecar cannot map (a private allocation, a CUDA
         pool that cannot be exported): num_pages pages of `geometry` in `memory`, laid out as
-        `device_layout`. This process maps the sidecar's host pool and copies itself, and
-        offload() / reload() on the pool run here; the sidecar keeps the index, eviction,
-        tiers and pins, and publishes an offloaded page only once its copy is done (see
-        hicache.client.engine_copy). Raises ValueError for memory too small for the layout,
-        before anything is registered."""
+        `device_layout` (memory of several allocations, a memory.SpanBuffer, holds one of the
+        layout's buffers in each: SGLang's K and V host buffers). This process maps the
+        sidecar's host pool and copies itself, and offload() / reload() on the pool run here;
+        the sidecar keeps the index, eviction, tiers and pins, and publishes an offloaded page
+        only once its copy is done (see hicache.client.engine_copy). Raises ValueError for
+        memory too small for the layout, or segments that do not match it, before anything is
+        registered."""
         from hicache.client.engine_copy import EngineCopy, local_pool  # torch: loaded with the first pool
 
         device = local_pool(geometry, num_pages, memory, device_layout)

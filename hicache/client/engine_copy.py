@@ -2,7 +2,7 @@
 
 Where the sidecar cannot map the engine's memory (vLLM's CPU worker allocates its KV cache
 with torch.zeros, a private allocation; a CUDA pool in a CuMem pool cannot be exported over
-CUDA IPC), the engine maps the sidecar's host pool (shared memory; page-locked here when the
+CUDA IPC; SGLang's host pool outside memfds, its K and V in two allocations), the engine maps the sidecar's host pool (shared memory; page-locked here when the
 engine's memory is on CUDA) and runs a TransferEngine, with the same KVGeometry, between
 the two. The sidecar keeps the index, eviction, tiers and pins: BeginCopy grants host pages,
 EndCopy publishes an offload's pages (only then can any lookup see them) or drops a
@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 from hicache.api import CopyGrant, KeyStatus, TransferResult
 from hicache.geometry import KVGeometry
-from hicache.memory import MemoryHandle, SharedBuffer, pin_host
+from hicache.memory import MemoryHandle, SharedBuffer, SpanBuffer, pin_host
 from hicache.pools import DeviceKVPool, HostKVPool
-from hicache.pools.layouts import engine_layout
+from hicache.pools.layouts import check_segments, engine_layout
 from hicache.pools.mapped import MappedKVPool
 from hicache.transfer import TransferEngine
 
@@ -32,10 +32,24 @@ EndCopy = Callable[[str, bool, float], int]  # (grant id, commit, copy seconds) 
 def local_pool(geometry: KVGeometry, num_pages: int, memory: SharedBuffer, device_layout: str = "") -> DeviceKVPool:
     """The engine's own memory as a pool: hicache's layer_first (device_layout ""), or the
     engine's layout (an EngineLayout or BlockLayout name: vLLM's blocks, SGLang's pools).
-    Raises ValueError for memory too small for num_pages pages of that layout."""
+    Memory of several allocations (a SpanBuffer: SGLang's K and V host buffers) holds one
+    buffer of the layout per segment, each region within its segment. Raises ValueError for
+    memory too small for num_pages pages of that layout, or segments that do not match it."""
+    segments = memory.segments if isinstance(memory, SpanBuffer) else None
     if not device_layout:
+        if segments is not None and len(segments) > 1:
+            raise ValueError(f"hicache's own layout takes one allocation, got {len(segments)} segments")
         return DeviceKVPool(geometry, num_pages, memory=memory)
-    layout = engine_layout(geometry, num_pages, device_layout, None, memory.nbytes)
+    if segments is None:
+        layout = engine_layout(geometry, num_pages, device_layout, None, memory.nbytes)
+        return MappedKVPool(geometry, layout, memory)
+    if len(segments) not in (1, len(geometry.buffers)):
+        names = [b.name for b in geometry.buffers]
+        raise ValueError(f"{len(segments)} memory segments for the buffers {names}: give one, or one per buffer")
+    bases = tuple(offset for offset, _ in segments) if len(segments) > 1 else None
+    layout = engine_layout(geometry, num_pages, device_layout, bases, memory.nbytes)
+    named = [(f"memory segment {i}", at, n) for i, (at, n) in enumerate(segments)]
+    check_segments(layout, sorted(named, key=lambda seg: seg[1]))
     return MappedKVPool(geometry, layout, memory)
 
 

@@ -6,11 +6,21 @@
   (handle + offset from the allocation base).
 - CUDA host memory: the shared-memory mapping is page-locked with cudaHostRegister.
 - Engine memory without a name (memfd): sent as fds over a Unix socket (fd.py).
+- An engine's separate allocations seen as one buffer in its own process (span_buffer), for
+  the copies it makes itself.
 
 Everything else sees `SharedBuffer.tensor`, a flat uint8 tensor.
 """
 
-from hicache.memory.buffer import MemoryHandle, SharedBuffer, ShmKind, local_buffer, wrap_tensor
+from hicache.memory.buffer import (
+    MemoryHandle,
+    SharedBuffer,
+    ShmKind,
+    SpanBuffer,
+    local_buffer,
+    span_buffer,
+    wrap_tensor,
+)
 from hicache.memory.cuda import (
     CudaIpcOpens,
     RefCountedOpens,
@@ -43,6 +53,7 @@ __all__ = [
     "RefCountedOpens",
     "SharedBuffer",
     "ShmKind",
+    "SpanBuffer",
     "alloc_device",
     "commit_shm",
     "create_shm",
@@ -62,6 +73,7 @@ __all__ = [
     "serve_fds",
     "shared_file_of",
     "shm_dir",
+    "span_buffer",
     "sweep_dead_segments",
     "wrap_tensor",
 ]

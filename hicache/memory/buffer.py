@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -86,6 +87,46 @@ def wrap_tensor(tensor: torch.Tensor) -> SharedBuffer:
     if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
         raise ValueError(f"expected a contiguous 1-D uint8 tensor, got {tensor.dtype} {tuple(tensor.shape)}")
     return SharedBuffer(tensor, MemoryHandle("local", tensor.numel()), lambda: None)
+
+
+class SpanBuffer(SharedBuffer):
+    """Several allocations of this process seen as one flat buffer: the address range from
+    the lowest segment's start to the highest one's end. `segments`: each segment's (offset,
+    nbytes) in it, in the order given. Only the segments' bytes are this buffer's: what lies
+    between them is not, and nothing may touch it (a layout whose regions each lie within one
+    segment, see hicache.pools.layouts.check_segments, keeps copies there)."""
+
+    def __init__(self, tensor: torch.Tensor, segments: tuple[tuple[int, int], ...], owners: Sequence[object]):
+        held = list(owners)  # the segments' tensors, alive until close()
+        super().__init__(tensor, MemoryHandle("local", tensor.numel()), held.clear)
+        self.segments = segments
+
+
+def span_buffer(segments: Sequence[torch.Tensor]) -> SpanBuffer:
+    """One flat buffer over `segments`, contiguous CPU tensors of this process (an engine's
+    separate K and V allocations); they stay theirs, and alive while the buffer is open.
+    Raises ValueError for no segment, one on another device or not contiguous, or two that
+    overlap."""
+    import torch
+
+    if not segments:
+        raise ValueError("a span needs at least one segment, got none")
+    for i, t in enumerate(segments):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+            what = f"{t.device} {t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"segment {i} must be a non-empty contiguous CPU tensor, got {what}")
+    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in segments]
+    ordered = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    for a, b in zip(ordered, ordered[1:], strict=False):
+        if spans[a][0] + spans[a][1] > spans[b][0]:
+            raise ValueError(
+                f"segments {a} and {b} overlap: {a} holds {spans[a][1]} bytes from {spans[a][0]:#x}, "
+                f"{b} starts at {spans[b][0]:#x}"
+            )
+    lo = spans[ordered[0]][0]
+    hi = max(start + n for start, n in spans)
+    tensor = torch.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=torch.uint8)
+    return SpanBuffer(tensor, tuple((start - lo, n) for start, n in spans), tuple(segments))
 
 
 def shrunk(fds: list[int], sizes: list[int], what: str) -> Callable[[], str | None]:

@@ -154,8 +154,10 @@ class EngineLayout(Layout):
     - sglang_page_first_direct:  [pages][L][P][row]
 
     Region b starts at bases[b]; by default the regions lie back to back (SGLang's one
-    kv_buffer), and two memfds mapped one after the other give explicit bases. `extent`: the
-    bytes of the memory (at least the regions' end; mappings round up to whole pages).
+    kv_buffer). Two memfds mapped one after the other give explicit bases, and so do an
+    engine's separate K and V allocations seen in its own process (memory.span_buffer), where
+    V may lie below K. `extent`: the bytes of the memory (at least the regions' end; mappings
+    round up to whole pages).
     Raises ValueError for an unknown order, scale buffers, or bases that overlap.
     """
 
@@ -177,15 +179,16 @@ class EngineLayout(Layout):
         sizes = [geometry.layer_num * num_pages * geometry.page_size * b.row_bytes for b in geometry.buffers]
         if bases is None:
             bases = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        order = sorted(range(len(bases)), key=lambda i: bases[i])  # regions in address order
         if (
             len(bases) != len(sizes)
-            or any(bases[i] + sizes[i] > bases[i + 1] for i in range(len(sizes) - 1))
+            or any(bases[a] + sizes[a] > bases[b] for a, b in zip(order, order[1:], strict=False))
             or any(b < 0 for b in bases)
         ):
             raise ValueError(
                 f"engine layout {name!r}: regions of {sizes} bytes ({num_pages} pages) do not fit at offsets {bases}"
             )
-        end = bases[-1] + sizes[-1]
+        end = max(b + n for b, n in zip(bases, sizes, strict=True))
         if extent is not None and extent < end:
             raise ValueError(f"engine layout {name!r} needs {end} bytes, the memory holds {extent}")
         self.bases, self.sizes, self.extent = bases, sizes, end if extent is None else extent
