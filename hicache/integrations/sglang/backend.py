@@ -30,7 +30,7 @@ from hicache.geometry import model_geometries
 from hicache.hf_config import load_model_config
 from hicache.integrations.sglang.link import PoolLink, page_numbers
 from hicache.integrations.sglang.options import Options
-from hicache.integrations.sglang.pool_views import flat_page_views, fp8_setting, geometry_of, stage_geometry
+from hicache.integrations.sglang.pool_views import fp8_setting, geometry_of, stage_geometry
 
 log = logging.getLogger("hicache.integrations.sglang")
 GROUPS = {"kv": "full", "swa": "swa"}  # SGLang host pool name -> hicache KV group
@@ -98,8 +98,12 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
                 'copy \'direct\' needs SGLang\'s host pool in shared memory ("allocator": "shm" in the extra config) '
                 f"and a sidecar on a Unix socket; target is {opts.target!r}"
             )
-        direct = can_direct and opts.copy != "staging"
-        how = "direct (SGLang's memfds)" if direct else "through a staging pool"
+        direct = can_direct and opts.copy in ("auto", "direct")
+        how = (
+            "copy path 'sidecar' (it maps SGLang's memfds)"
+            if direct
+            else "copy path 'engine' (this process copies between SGLang's host pool and the sidecar's)"
+        )
 
         def connect() -> PoolLink:
             link = PoolLink(
@@ -107,7 +111,7 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
                 host_pool,
                 geometry,
                 group=group,
-                staging_pages=opts.staging_pages,
+                flat_pages=opts.staging_pages,
                 register_kw=register_kw,
                 direct=direct,
             )
@@ -297,7 +301,7 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             for i, k in enumerate(ks):
                 given = target_locations[i] if target_locations is not None else None
                 flat = given if isinstance(given, torch.Tensor) else link.host_pool.get_dummy_flat_data_page()
-                if not link.get([k], [0], flat_page_views(link.host_pool, flat))[0]:
+                if not link.get_flat([k], [flat])[0]:
                     break
                 out.append(flat)
         except Exception as exc:  # K != V pools have no flat pages: use interface_v1
@@ -314,9 +318,7 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             return True
         try:
             link, ks = self.links["kv"], self._keys(keys)
-            return all(
-                link.set([k], [0], flat_page_views(link.host_pool, v))[0] for k, v in zip(ks, values, strict=True)
-            )
+            return all(link.set_flat(ks, list(values)))
         except Exception as exc:
             self._failed("batch_set", exc)
             return False

@@ -8,6 +8,7 @@ from typing import Any
 from hicache.integrations.options import adapter_options
 
 FP8_SETTING_NAMES = ("fp8_e4m3", "fp8_e5m2")  # SGLang's --kv-cache-dtype names of the fp8 formats
+COPY_VALUES = ("auto", "direct", "engine", "staging")  # "staging": the former name of "engine"
 
 # Keys SGLang itself reads from the same JSON (loader, controller, allocator); passed over.
 SGLANG_KEYS = frozenset(
@@ -33,12 +34,16 @@ class Options:
     else the server's default socket). token: its --token (default $HICACHE_TOKEN).
     namespace: the tenant. model_id: the stored pages' model identity (default SGLang's
     model_name). model_config: an HF config.json for the layer ids and a cross-check (default
-    <model_name>/config.json when that exists). staging_pages: pages per copy batch (SGLang
-    sends 128). timeout_s: each call's deadline, and how long start-up waits for the sidecar.
-    copy: "auto" (direct when SGLang's host pool is in memfds, "allocator": "shm", and the
-    sidecar is on a Unix socket; else staging), "direct" (refuse to start otherwise) or
-    "staging". kv_cache_dtype: which fp8 SGLang's uint8 KV cache holds ("fp8_e4m3" or
-    "fp8_e5m2", as its --kv-cache-dtype; default: read from SGLang's runtime settings)."""
+    <model_name>/config.json when that exists). staging_pages: the scratch pages flat pages
+    (SGLang without interface_v1) are copied through, per batch. timeout_s: each call's
+    deadline, and how long start-up waits for the sidecar. copy: who copies between SGLang's
+    host pool and the sidecar's (one copy either way; see link.py): "auto" (direct when
+    SGLang's host pool is in memfds, "allocator": "shm", and the sidecar is on a Unix socket;
+    else engine), "direct" (the sidecar maps SGLang's memfds; refuse to start otherwise),
+    "engine" (this process maps the sidecar's host pool and copies), or "staging", the
+    former name of "engine" (it once copied through a staging pool, two copies each way).
+    kv_cache_dtype: which fp8 SGLang's uint8 KV cache holds ("fp8_e4m3" or "fp8_e5m2", as
+    its --kv-cache-dtype; default: read from SGLang's runtime settings)."""
 
     target: str
     token: str | None = None
@@ -65,8 +70,8 @@ class Options:
         pages = mine.get("staging_pages", 128)
         if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
             raise ValueError(f"extra config 'staging_pages' must be an int >= 1, got {pages!r}")
-        if mine.get("copy", "auto") not in ("auto", "direct", "staging"):
-            raise ValueError(f"extra config 'copy' must be 'auto', 'direct' or 'staging', got {mine['copy']!r}")
+        if mine.get("copy", "auto") not in COPY_VALUES:
+            raise ValueError(f"extra config 'copy' must be one of {list(COPY_VALUES)}, got {mine['copy']!r}")
         fp8 = mine.get("kv_cache_dtype")
         if fp8 is not None and fp8 not in FP8_SETTING_NAMES:
             raise ValueError(f"extra config 'kv_cache_dtype' must be one of {list(FP8_SETTING_NAMES)}, got {fp8!r}")

@@ -1,14 +1,15 @@
-"""SGLang host pools seen page by page, and the KVGeometry they hold.
+"""SGLang host pools: the KVGeometry they hold, and the memory that holds each of its buffers.
 
 SGLang 0.5.23's host pools (sglang.srt.mem_cache.pool_host), per layout:
   MHA, K = V dims:  kv_buffer [2, slots, L, H, D] (page_first), [2, pages, L, P, H, D]
                     (page_first_direct), [2, L, slots, H, D] (layer_first)
-  MHA, K != V dims: k_buffer / v_buffer, each [slots, L, H, D] or [pages, L, P, H, D]
-                    (page_first / page_first_direct only)
+  MHA, K != V dims: k_buffer / v_buffer, two allocations, each [slots, L, H, D] or
+                    [pages, L, P, H, D] (page_first / page_first_direct only)
   MLA:              kv_buffer [slots, L, 1, C], [pages, L, P, 1, C] or [L, slots, 1, C]
-page_views() turns any of these into, per layer, the K (latent) and V views of every page,
-shaped [pages, P, *row]; the copies to and from hicache's pools index them by page. A flat
-page (get_data_page(flat=True)) is the same layout over one page, K half then V half.
+Each buffer (K, V, or the MLA latent) is one region of hicache's EngineLayout
+"sglang_<layout>" (hicache.pools.layouts), which addresses it by strides; host_segments()
+names the tensor of each. A flat page (get_data_page(flat=True)) is the same layout over
+one page, each buffer's rows back to back.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ _DTYPES = {
 # SGLang keeps every fp8 cache in uint8 storage, so a uint8 pool's format comes from SGLang's
 # --kv-cache-dtype ("auto" is uint8 only for an FP8 checkpoint, whose cache is e4m3)
 _FP8_SETTINGS = {"auto": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-LayerViews = list[tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def is_mla(pool: Any) -> bool:
@@ -49,51 +49,14 @@ def check_layout(pool: Any) -> str:
     return str(layout)
 
 
-def _layer(buf: torch.Tensor, layout: str, layer: int, pages: int, page_size: int) -> torch.Tensor:
-    """One layer of a [slots|pages, ...] buffer as [pages, page_size, *row]."""
-    if layout == "layer_first":
-        return buf[layer].unflatten(0, (pages, page_size))
-    if layout == "page_first":
-        return buf[:, layer].unflatten(0, (pages, page_size))
-    return buf[:, layer]  # page_first_direct: [pages, L, P, *row]
-
-
-def _sides(pool: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def host_segments(pool: Any) -> list[torch.Tensor]:
+    """The tensor that holds each buffer of SGLang host pool `pool`, in KVGeometry.buffers
+    order: K and V (views of one kv_buffer, or SGLang's two allocations when K != V), or the
+    MLA latent. Raises ValueError for an unsupported layout."""
+    check_layout(pool)
     if is_mla(pool):
-        return pool.kv_buffer, None
-    if getattr(pool, "k_buffer", None) is not None:  # AsymmetricMHATokenToKVPoolHost
-        return pool.k_buffer, pool.v_buffer
-    return pool.kv_buffer[0], pool.kv_buffer[1]
-
-
-def page_views(pool: Any) -> LayerViews:
-    """Per layer, (K, V) of every page of SGLang host pool `pool`, each [pages, P, *row] (V is
-    None for MLA). Views, not copies. Raises ValueError for an unsupported layout."""
-    layout = check_layout(pool)
-    k, v = _sides(pool)
-    pages, p = pool.page_num, pool.page_size
-    return [
-        (_layer(k, layout, i, pages, p), None if v is None else _layer(v, layout, i, pages, p))
-        for i in range(pool.layer_num)
-    ]
-
-
-def flat_page_views(pool: Any, flat: torch.Tensor) -> LayerViews:
-    """The same views over one flat page of `pool` (get_data_page(flat=True) order: the
-    pool's layout over one page, K half then V half), each [1, P, *row]."""
-    layout = check_layout(pool)
-    k, v = _sides(pool)
-    p, layers = pool.page_size, pool.layer_num
-    row_k, row_v = k.shape[-2:], None if v is None else v.shape[-2:]
-    halves = [flat] if v is None else list(flat.view(2, -1))
-    lead = (p, layers) if layout == "page_first" else (layers, p)
-    kk = halves[0].view(*lead, *row_k)
-    vv = None if row_v is None else halves[1].view(*lead, *row_v)
-
-    def pick(t: torch.Tensor, i: int) -> torch.Tensor:
-        return (t[:, i] if layout == "page_first" else t[i]).unsqueeze(0)
-
-    return [(pick(kk, i), None if vv is None else pick(vv, i)) for i in range(layers)]
+        return [pool.kv_buffer]
+    return [pool.k_buffer, pool.v_buffer]  # kv_buffer[0] and [1]: one tensor, or two (K != V)
 
 
 def fp8_setting(option: str | None, sglang: str | None) -> str | None:

@@ -60,6 +60,9 @@ def storage_config(
         "class_name": "HiCacheSidecarStorage",
         "interface_v1": 1,
         "target": target,
+        # the first registration loads torch in the sidecar: seconds on a busy 2-core machine,
+        # past which start-up would take the sidecar for down
+        "timeout_s": 60,
         **extra,
     }
     return HiCacheStorageConfig(
@@ -188,21 +191,15 @@ def page_bytes(pool: Any, page: int) -> bytes:
 def sglang_rows(pool: Any, layer: int, page: int) -> list[Any]:
     """K and V (or the MLA latent) of one layer of one host page, [page_size, heads, dim],
     indexed the way SGLang's pools are shaped (written out per layout, independently of the
-    adapter's views)."""
+    adapter's layouts). MHA pools have k_buffer and v_buffer (kv_buffer[0] and [1])."""
     p, lay = pool.page_size, pool.layout
     s = slice(page * p, (page + 1) * p)
-    if hasattr(pool, "kv_lora_rank"):
-        kv = pool.kv_buffer
-        return [kv[layer, s] if lay == "layer_first" else kv[s, layer] if lay == "page_first" else kv[page, layer]]
-    if getattr(pool, "k_buffer", None) is not None:
-        bufs = [pool.k_buffer, pool.v_buffer]
-        return [b[s, layer] if lay == "page_first" else b[page, layer] for b in bufs]
-    kv = pool.kv_buffer
-    if lay == "layer_first":
-        return [kv[0, layer, s], kv[1, layer, s]]
-    if lay == "page_first":
-        return [kv[0, s, layer], kv[1, s, layer]]
-    return [kv[0, page, layer], kv[1, page, layer]]
+    bufs = [pool.kv_buffer] if hasattr(pool, "kv_lora_rank") else [pool.k_buffer, pool.v_buffer]
+    if lay == "layer_first":  # [L, slots, ...]
+        return [b[layer, s] for b in bufs]
+    if lay == "page_first":  # [slots, L, ...]
+        return [b[s, layer] for b in bufs]
+    return [b[page, layer] for b in bufs]  # page_first_direct: [pages, L, P, ...]
 
 
 def keys_for(tokens: list[int], page: int = 16) -> list[str]:

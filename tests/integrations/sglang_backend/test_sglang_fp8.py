@@ -28,7 +28,7 @@ from sglang_env import (  # noqa: E402
     storage_config,
 )
 from sidecar_util import start_sidecar  # noqa: E402
-from test_sglang_backend import alloc, pages_of, stop, wait_stored  # noqa: E402
+from test_sglang_backend import alloc, assert_host_rows, pages_of, stop, wait_stored  # noqa: E402
 
 from hicache.integrations.sglang.backend import sglang_kv_cache_dtype  # noqa: E402
 from hicache.integrations.sglang.options import Options  # noqa: E402
@@ -104,11 +104,13 @@ def test_an_e5m2_engine_round_trips_and_an_e4m3_one_is_refused(tmp_path: Path, s
         backend = create(storage_config(name, target, layout="page_first", kv_cache_dtype="fp8_e5m2"), pool)
         try:
             assert backend.links["kv"].geometry.dtype == "float8_e5m2"
+            assert backend.links["kv"].copy_path == "engine"  # SGLang's uint8 pool, copied by this process
             fill(pool, seed=3)
             keys = keys_for(list(range(2 * 16)))
             src = alloc(pool, 2)
             want = [page_bytes(pool, p) for p in pages_of(src)]
             assert backend.batch_set_v1(keys, src) == [True, True]
+            assert_host_rows(backend, keys, pool, pages_of(src))
             wait_stored(backend, 2)
             dst = alloc(pool, 2)
             assert backend.batch_get_v1(keys, dst) == [True, True]

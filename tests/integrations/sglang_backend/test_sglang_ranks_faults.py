@@ -35,7 +35,7 @@ from sglang_env import (  # noqa: E402
 from sidecar_util import start_sidecar  # noqa: E402
 from test_sglang_backend import alloc, mimo_full, pages_of, stop, wait_stored  # noqa: E402
 
-from hicache.client import HiCacheRpcError  # noqa: E402
+from hicache.client import HiCacheRpcError, RegisteredPool  # noqa: E402
 from hicache.geometry import model_geometries  # noqa: E402
 
 
@@ -232,7 +232,7 @@ def test_hybrid_full_and_swa_pools_through_v2(tmp_path: Path, sockdir: str) -> N
         stop(proc)
 
 
-@pytest.mark.parametrize("allocator", ["default", "shm"], ids=["staging", "direct"])
+@pytest.mark.parametrize("allocator", ["default", "shm"], ids=["engine", "direct"])
 def test_sidecar_down_then_restarted_gives_misses_never_exceptions(
     tmp_path: Path, sockdir: str, allocator: str
 ) -> None:
@@ -280,7 +280,7 @@ def test_a_failed_re_registration_is_tried_again_by_any_call(tmp_path: Path, soc
         proc = restart(proc, sockdir)
         register, fails = link._register, [1]
 
-        def flaky() -> tuple[str, int]:  # the restarted sidecar refuses the first re-registration
+        def flaky() -> RegisteredPool:  # the restarted sidecar refuses the first re-registration
             if fails:
                 fails.pop()
                 raise HiCacheRpcError(grpc.StatusCode.UNAVAILABLE, "flapped")
