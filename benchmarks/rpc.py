@@ -23,6 +23,11 @@ keys stay resident for the Lookups.
                    Reload of 16 resident pages (23.6 MB, copied after the answer), the latter
                    to its last and to its first layer; over the plain one in
                    layerwise_over_plain_mid and first_layer_over_plain_mid
+  concurrent       --engines engine processes (default 4), each with a pool of its own, call the
+                   sidecar at once: in each round first a burst of echo calls (the floor of a call
+                   under that load, `echo`), then a burst of Offloads of 1-4 fresh pages and
+                   Reloads of 1-4 resident pages (`rpc`: both, and each alone); p99_over_p50 of
+                   the transfers and rpc_p50_over_echo_p50 (goals: <= 2 and <= 1.5)
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shutil
 import statistics
 import subprocess
@@ -60,8 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=200, help="calls per small-call latency figure")
     p.add_argument("--big-iters", type=int, default=12, help="calls per large-offload figure")
     p.add_argument("--layout", default="layer_first", help="host pool layout (sidecar and in-process engine)")
+    p.add_argument("--engines", type=int, default=4, help="engine processes calling at once (the concurrent case)")
+    p.add_argument("--concurrent-only", action="store_true", help="measure only the concurrent engines' case")
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.engines < 1 or args.iters < 2:
+        p.error(f"--engines must be >= 1 and --iters >= 2, got {args.engines} and {args.iters}")
+    return args
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
@@ -114,6 +125,129 @@ def layer_signals(client: HiCacheClient, sock: str, key: bytes, layers: int, ite
     }
 
 
+ENGINE_PAGES = 8  # each concurrent engine's device pool: pages 0-3 offloaded, 4-7 reloaded into
+SMALL_MAX = 4  # a concurrent engine's transfers are of 1 to SMALL_MAX pages
+
+
+def engine_calls(
+    sock: str, page_size: int, index: int, rounds: int, calls: int, barrier: Any, out: Any
+) -> None:  # pragma: no cover - runs in an engine process
+    """One concurrent engine (a process of its own): register a pool, keep SMALL_MAX pinned
+    resident pages, then per round an echo burst and a transfer burst of `calls` each, the
+    rounds in step with the other engines (`barrier`); put (index, samples, refused) on `out`."""
+    import random
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    g = _geometry(page_size)
+    dev = DeviceKVPool(g, ENGINE_PAGES)
+    dev.flat.copy_(torch.randint(0, 256, (dev.nbytes,), dtype=torch.uint8))
+    client = HiCacheClient(f"unix://{sock}", timeout=120)
+    samples: dict[str, list[float]] = {"echo": [], "offload": [], "reload": []}
+    refused: Counter[str] = Counter()
+    try:
+        # a namespace each: pools of one namespace and model share a host cache, and the
+        # pinned pages of every engine would crowd the others' offloads out (NO_SPACE)
+        client.register(dev, model_id="MiMo-V2-Flash", namespace=f"engine-{index}")
+        counter = iter(range(10**9))
+
+        def fresh(n: int) -> list[bytes]:
+            return [(index << 40 | next(counter)).to_bytes(32, "little") for _ in range(n)]
+
+        resident = fresh(SMALL_MAX)
+        client.offload(resident, list(range(SMALL_MAX)))
+        client.pin(resident)
+        rng = random.Random(index)
+        offload_pages, reload_pages = list(range(SMALL_MAX)), list(range(SMALL_MAX, 2 * SMALL_MAX))
+
+        def transfer(i: int, record: bool) -> None:
+            n = rng.randint(1, SMALL_MAX)
+            t0 = time.perf_counter()
+            if i % 2 == 0:
+                statuses = client.offload(fresh(n), offload_pages[:n]).statuses
+                kind, want = "offload", "STORED"
+            else:
+                statuses = client.reload(resident[:n], reload_pages[:n]).statuses
+                kind, want = "reload", "LOADED"
+            if record:
+                samples[kind].append(time.perf_counter() - t0)
+                refused.update(s.name for s in statuses if s.name != want)
+
+        with grpc.insecure_channel(f"unix://{sock}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest(service="")
+            for i in range(10):  # warm-up: channels, the copy templates
+                health.Check(check)
+                transfer(i, False)
+            for _ in range(rounds):
+                barrier.wait()
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    health.Check(check)
+                    samples["echo"].append(time.perf_counter() - t0)
+                barrier.wait()
+                for i in range(calls):
+                    transfer(i, True)
+    finally:
+        client.close()
+        dev.close()
+    out.put((index, samples, dict(refused)))
+
+
+def concurrent_engines(sock: str, page_size: int, engines: int, iters: int) -> dict[str, Any]:
+    """--engines processes calling the sidecar at once (see engine_calls); the figures over
+    every call of every engine."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    rounds = 5
+    calls = max(2, iters // rounds)
+    barrier, out = ctx.Barrier(engines), ctx.Queue()
+    procs = [
+        ctx.Process(target=engine_calls, args=(sock, page_size, i, rounds, calls, barrier, out)) for i in range(engines)
+    ]
+    for p in procs:
+        p.start()
+    results: list[Any] = []
+    try:
+        while len(results) < engines:
+            try:
+                results.append(out.get(timeout=1))
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SystemExit(f"rpc.py: an engine process failed (exit codes {dead})") from None
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    merged: dict[str, list[float]] = {"echo": [], "offload": [], "reload": []}
+    refused: Counter[str] = Counter()
+    for _, samples, bad in results:
+        for kind, values in samples.items():
+            merged[kind] += values
+        refused.update(bad)
+    if refused:
+        raise SystemExit(f"rpc.py: concurrent engines: pages answered {dict(refused)}: the figures would be wrong")
+    rpc = merged["offload"] + merged["reload"]
+    echo_p50 = float(np.percentile(merged["echo"], 50))
+    out_rows = {kind: percentiles(values) for kind, values in merged.items()}
+    out_rows["rpc"] = percentiles(rpc)
+    return {
+        **out_rows,
+        "engines": engines,
+        "calls": len(rpc),
+        "p99_over_p50": float(np.percentile(rpc, 99) / np.percentile(rpc, 50)),
+        "rpc_p50_over_echo_p50": float(np.percentile(rpc, 50)) / echo_p50,
+    }
+
+
+def _geometry(page_size: int) -> Any:
+    return model_geometries(load_config(None), tp_size=1, page_size=page_size, dtype="bfloat16")["full"]
+
+
 MID_PAGES = 16  # 23.6 MB: above the size the sidecar copies before answering (4 MB)
 
 
@@ -152,7 +286,7 @@ def all_stored(results: list[Any], what: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    g = model_geometries(load_config(None), tp_size=1, page_size=args.page_size, dtype="bfloat16")["full"]
+    g = _geometry(args.page_size)
     device_pages = 2 * args.pages
     # host pages: 1000 pinned resident keys for Lookup, and room for a large offload plus
     # the pages it evicts (least recently used fresh keys) before the copy
@@ -168,9 +302,48 @@ def main(argv: list[str] | None = None) -> int:
         cwd=ROOT,
         stdout=sys.stderr,  # keep this process's stdout for the report (--json must parse)
     )
+    rows: dict[str, Any] = {"geometry": f"MiMo-V2-Flash full, K {g.head_dim} / V {g.v_head_dim}, page {g.page_size}"}
+    try:
+        if not args.concurrent_only:
+            rows.update(single_client(args, sock, device_pages))
+        else:
+            _wait_for(sock)
+        rows["concurrent"] = concurrent_engines(sock, args.page_size, args.engines, args.iters)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        shutil.rmtree(sockdir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"hicache sidecar over UDS: {rows['geometry']}, page_bytes {g.page_bytes}")
+    if not args.concurrent_only:
+        print_single(rows, args.pages)
+    c = rows["concurrent"]
+    print(f"  {c['engines']} engines at once, Offload / Reload of 1-{SMALL_MAX} pages ({c['calls']} calls):")
+    for name in ("echo", "rpc", "offload", "reload"):
+        print(f"    {name:16} p50 {c[name]['p50_ms']:9.3f} ms   p99 {c[name]['p99_ms']:9.3f} ms")
+    print(
+        f"    p99 / p50 {c['p99_over_p50']:.2f} (goal <= 2); p50 / echo p50 {c['rpc_p50_over_echo_p50']:.2f} (goal <= 1.5)"
+    )
+    return 0
+
+
+def _wait_for(sock: str) -> None:
+    """Until the sidecar answers on `sock` (the single-client part's register waits too)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), wait_for_ready=True, timeout=120)
+
+
+def single_client(args: argparse.Namespace, sock: str, device_pages: int) -> dict[str, Any]:
+    """The figures of one engine alone (see the module docstring)."""
+    g = _geometry(args.page_size)
     dev = DeviceKVPool(g, device_pages)
     dev.flat.copy_(torch.randint(0, 256, (dev.nbytes,), dtype=torch.uint8))
-    rows: dict[str, Any] = {"geometry": f"MiMo-V2-Flash full, K {g.head_dim} / V {g.v_head_dim}, page {g.page_size}"}
+    rows: dict[str, Any] = {}
     try:
         client = HiCacheClient(f"unix://{sock}", timeout=120)
         client.register(dev, model_id="MiMo-V2-Flash")
@@ -219,14 +392,11 @@ def main(argv: list[str] | None = None) -> int:
         host.close()
         client.close()
     finally:
-        server.terminate()
-        server.wait(timeout=60)
         dev.close()
-        shutil.rmtree(sockdir, ignore_errors=True)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    print(f"hicache sidecar over UDS: {rows['geometry']}, page_bytes {g.page_bytes}")
+    return rows
+
+
+def print_single(rows: dict[str, Any], pages: int) -> None:
     for name in (
         "echo",
         "lookup_1",
@@ -237,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         f"reload_{MID_PAGES}",
         f"reload_layerwise_{MID_PAGES}",
         f"reload_layerwise_{MID_PAGES}_first_layer",
-        f"offload_{args.pages}",
+        f"offload_{pages}",
     ):
         print(f"  {name:18} p50 {rows[name]['p50_ms']:9.3f} ms   p99 {rows[name]['p99_ms']:9.3f} ms")
     print(
@@ -254,7 +424,6 @@ def main(argv: list[str] | None = None) -> int:
         f"in-process engine {b['engine_gbps']:.2f} GB/s, memcpy {b['memcpy_gbps']:.2f} GB/s"
     )
     print(f"  ratio sidecar/engine {b['sidecar_over_engine']:.2f}, sidecar/memcpy {b['sidecar_over_memcpy']:.2f}")
-    return 0
 
 
 if __name__ == "__main__":

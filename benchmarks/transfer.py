@@ -22,12 +22,22 @@ drawn from pools twice the transfer size. Ratios:
   layerwise_busy_over_plain     the layer-wise reload while another Python thread spins,
                                 over the plain reload with no such thread (GIL hand-offs, and
                                 the core the spinner takes); layerwise_busy_over_plain_busy
-                                over the plain reload beside the same spinner (hand-offs only)
+                                over the plain reload beside the same spinner (hand-offs only);
+                                layerwise_busy_over_plain_1page for one page (goal <= 2), with
+                                layerwise_busy_1page_over_1ms the share of those calls that
+                                took over 1 ms (a lost GIL costs a switch interval, 5 ms; a
+                                spinner that holds the GIL half the time also makes a call
+                                wait for its turn about once per 5 ms of the caller's own work)
   cuda_paths                    (CUDA) layer groups copied per path (memcpy, kernel)
   offload_kernel_ratio / reload_kernel_ratio  (CUDA) the Triton kernels of the same transfer
                                 launched directly, without the engine (checks, streams,
                                 events), over memcpy: what the engine's own costs take away
                                 where the engine used the kernels too (cuda_paths "kernel")
+--gil-sweep measures instead whether a copy should keep the GIL (the C copy's HOLD_GIL_BYTES):
+per size, copies on one thread from and into memory not in cache (a 256 MB span walked
+through), alone and beside a spinning Python thread, keeping the GIL and letting go of it:
+the median, the mean and the share over 1 ms of each.
+
 memcpy is `dst.copy_(src)` of pages * page_bytes contiguous bytes between the two pools' memory.
 With the CPU "native" backend, which writes with streaming (non-temporal) stores, the same
 contiguous bytes are also copied by that C code over the same threads ("stream memcpy", the
@@ -75,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-naive", action="store_true", help="skip the slow index_copy baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--gil-sweep", action="store_true", help="only the measurement of HOLD_GIL_BYTES (see above)")
     args = p.parse_args(argv)
     if args.pages < 1 or args.repeat < 1:
         p.error(f"--pages and --repeat must be >= 1, got {args.pages} and {args.repeat}")
@@ -97,6 +108,17 @@ def median_seconds(fn: Callable[[], Any], repeat: int, device: str) -> float:
         _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def call_seconds(fn: Callable[[], Any], repeat: int) -> list[float]:
+    """Wall times of `repeat` calls of fn (CPU), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], repeat: int, device: str) -> dict[str, list[float]]:
@@ -241,12 +263,90 @@ def fixed_costs(
     one = layerwise_rounds(engine, dev_pages[:1], host_pages[:1], g.layer_num, reps)
     out["layerwise_over_plain_1page"] = statistics.median(one)
     plain = median_seconds(lambda: engine.reload(host_pages, dev_pages), reps, "cpu")
+    h1, d1 = host_pages[:1], dev_pages[:1]
+    plain_1 = median_seconds(lambda: engine.reload(h1, d1), max(reps, 300), "cpu")
+    with BusyThread():
+        busy_1 = call_seconds(lambda: layerwise(engine, h1, d1, g.layer_num), max(reps, 300))
+    out["layerwise_busy_over_plain_1page"] = statistics.median(busy_1) / plain_1
+    out["layerwise_busy_1page_over_1ms"] = sum(t > 1e-3 for t in busy_1) / len(busy_1)
     with BusyThread():
         busy = median_seconds(lambda: layerwise(engine, host_pages, dev_pages, g.layer_num), reps, "cpu")
         plain_busy = median_seconds(lambda: engine.reload(host_pages, dev_pages), reps, "cpu")
     out["layerwise_busy_over_plain"] = busy / plain
     out["layerwise_busy_over_plain_busy"] = busy / plain_busy
     return out
+
+
+SWEEP_SIZES = (256 << 10, 1 << 20, 1474560, 2 << 20, 2949120, 4 << 20, 5898240, 8 << 20, 16 << 20)
+SWEEP_SPAN = 256 << 20  # walked through, so that each copy reads and writes memory not in cache
+
+
+def gil_sweep(
+    sizes: tuple[int, ...] = SWEEP_SIZES, span: int = SWEEP_SPAN, repeat: int = 300
+) -> list[dict[str, float]]:
+    """Per size: copies on one thread (copy_pieces) alone, and beside a spinning Python thread
+    keeping the GIL (hold_gil_bytes above the size) and letting go of it (hold_gil_bytes 0);
+    microseconds. The bound is set back afterwards."""
+    assert native._native is not None, "the hicache C extension is not built"
+    c = native._native
+    src = torch.randint(0, 256, (span + max(sizes),), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    before = c.hold_gil_bytes()
+    rows = []
+    try:
+        for nbytes in sizes:
+            copy = _walking_copy(src, dst, nbytes, span)
+            reps = max(repeat // 4, min(repeat, (repeat << 20) // nbytes))
+            c.hold_gil_bytes(nbytes)
+            row: dict[str, float] = {"bytes": nbytes, "alone_us": statistics.median(call_seconds(copy, reps)) * 1e6}
+            for name, bound in (("held", nbytes), ("released", 0)):
+                c.hold_gil_bytes(bound)
+                with BusyThread():
+                    times = call_seconds(copy, reps)
+                row[f"{name}_busy_p50_us"] = statistics.median(times) * 1e6
+                row[f"{name}_busy_mean_us"] = statistics.fmean(times) * 1e6
+                row[f"{name}_busy_over_1ms"] = sum(t > 1e-3 for t in times) / len(times)
+            rows.append(row)
+    finally:
+        c.hold_gil_bytes(before)
+    return rows
+
+
+def _walking_copy(src: torch.Tensor, dst: torch.Tensor, nbytes: int, span: int) -> Callable[[], None]:
+    """A copy of nbytes from src to dst at the next offset of `span` on each call (1 MB pieces)."""
+    assert native._native is not None
+    c = native._native
+    starts = np.arange(0, nbytes, native.MERGE_CAP, dtype=np.int64)
+    sizes = np.minimum(native.MERGE_CAP, nbytes - starts)
+    base = np.stack([starts, starts, np.ones_like(starts), sizes, sizes, sizes], axis=1)
+    variants = []
+    for k in range(max(1, span // nbytes)):
+        descs = base.copy()
+        descs[:, :2] += k * nbytes
+        variants.append(np.ascontiguousarray(descs))
+    ends = np.array([len(base)], dtype=np.int64)
+    head = (dst.data_ptr(), dst.numel(), src.data_ptr(), src.numel())
+    turn = iter(range(10**12))
+
+    def copy() -> None:
+        c.copy_pieces(*head, variants[next(turn) % len(variants)], ends, 1, False, 1, native.PIECE_BYTES, 0)
+
+    return copy
+
+
+def sweep_table(rows: list[dict[str, float]]) -> str:
+    lines = [
+        "copies on one thread, from and into memory not in cache; beside a spinning Python thread:",
+        f"{'bytes':>10} {'alone us':>9} | {'held p50':>9} {'mean':>8} {'>1ms':>6} | {'released p50':>12} {'mean':>8} "
+        f"{'>1ms':>6}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['bytes']:>10.0f} {r['alone_us']:9.0f} | {r['held_busy_p50_us']:9.0f} {r['held_busy_mean_us']:8.0f} "
+            f"{r['held_busy_over_1ms']:6.3f} | {r['released_busy_p50_us']:12.0f} {r['released_busy_mean_us']:8.0f} "
+            f"{r['released_busy_over_1ms']:6.3f}"
+        )
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -370,13 +470,22 @@ def table(r: dict[str, Any]) -> str:
         lines.append(
             f"layer-wise / plain reload: {r['layerwise_over_plain']:.2f} (1 page {r['layerwise_over_plain_1page']:.2f}); "
             f"with a busy Python thread: {r['layerwise_busy_over_plain']:.2f} "
-            f"({r['layerwise_busy_over_plain_busy']:.2f} over a plain reload beside it)"
+            f"({r['layerwise_busy_over_plain_busy']:.2f} over a plain reload beside it); 1 page beside it over "
+            f"a plain one alone {r['layerwise_busy_over_plain_1page']:.2f} (goal <= 2), "
+            f"{100 * r['layerwise_busy_1page_over_1ms']:.1f}% of them over 1 ms"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.gil_sweep:
+        if not native.available():
+            print("transfer benchmark: error: --gil-sweep needs the C extension", file=sys.stderr)
+            return 2
+        rows = gil_sweep()
+        print(json.dumps(rows) if args.json else sweep_table(rows))
+        return 0
     try:
         result = run(args)
     except ValueError as exc:

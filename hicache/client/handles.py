@@ -227,9 +227,10 @@ class ReloadHandle:
         return self._stream_wait is not None
 
     def done(self) -> bool:
-        with self._cond:
-            if self._finished:
-                return True
+        """Whether the reload has ended (every layer in place, or failed). A reload seen done
+        answers at once: no lock, no wait (set once, never cleared)."""
+        if self._finished:
+            return True
         slot = self._slot
         if slot is not None and not self._watching:
             if self._read_slot(slot) is not None:

@@ -6,7 +6,8 @@
  * descriptors, layer by layer, and checks every one against both buffers' sizes before it
  * copies anything (rows must not overlap on the destination, which also bounds the work). It
  * cuts each layer into pieces of about equal bytes, which the calling thread and the copy
- * crew's threads (_native_crew.c) take one at a time, in order, all without the GIL. Once a
+ * crew's threads (_native_crew.c) take one at a time, in order, without the GIL (a small
+ * copy on the calling thread alone keeps it: see run_job_in_turn). Once a
  * layer and every one before it are copied, the thread that finished the last of their
  * pieces raises the transfer's 32-bit progress word to the count of layers done (release
  * order) and wakes its futex waiters, so another thread, or another process that maps the
@@ -457,9 +458,10 @@ Job *new_job(char *dst, const char *src, CopyDesc *descs, Py_ssize_t n, const in
         PyErr_NoMemory();
         return NULL;
     }
-    *job = (Job){dst, src, descs, NULL, NULL, 0, layers, group, threads, 0, streaming, progress};
+    *job = (Job){.dst = dst, .src = src, .descs = descs, .layers = layers, .group = group, .threads = threads,
+                 .bytes = total_bytes(descs, n), .streaming = streaming, .progress = progress};
     /* each layer has fewer than bytes / piece_bytes + 2 pieces: keep the count in bounds */
-    int64_t floor_bytes = total_bytes(descs, n) / (MAX_PIECES - 2 * layers) + 1;
+    int64_t floor_bytes = job->bytes / (MAX_PIECES - 2 * layers) + 1;
     if (piece_bytes <= 0 || threads == 1)
         piece_bytes = INT64_MAX; /* one thread: one piece per layer */
     else if (piece_bytes < floor_bytes)
@@ -502,6 +504,60 @@ Job *load_job(uintptr_t dst_addr, long long dst_size, uintptr_t src_addr, long l
     return job;
 }
 
+/* ---- whether a copy lets go of the GIL ---------------------------------------------- */
+
+/* A copy on the calling thread alone of at most hold_bytes keeps the GIL. Released, the GIL
+ * must be taken back afterwards, and beside a busy Python thread (one that holds it whenever
+ * it can) that can wait until the interpreter makes that thread switch: a switch interval,
+ * 5 ms, after a copy of tens of microseconds. Held, the copy delays the other threads by its
+ * own time only, as the caller's Python code would. Larger copies, and those the copy crew
+ * shares (its threads need no GIL, but the caller would hold it while it waits for them),
+ * let go of it.
+ *
+ * HOLD_GIL_BYTES by measurement (benchmarks/transfer.py --gil-sweep: copies on one thread
+ * from and into memory not in cache, beside a spinning Python thread; 2-core AMD EPYC VM
+ * under other load, so the means are noisy): alone, 1 MB copies in 115 us, 1.47 MB (a MiMo
+ * page of 64 tokens) 165, 4 MB 460, 8 MB 930. Beside the spinner, mean held / released:
+ * 1 MB 0.83 / 1.07 ms, 1.47 MB 0.97 / 1.56, 2 MB 1.7 / 3.3, 4 MB 3.1 / 5.5. From cache, on
+ * a quieter machine, a released 1 MB copy took 35 us at the median in one run and 5.2 ms in
+ * another (the spinner took the GIL in 97% of the calls); held, 31-38 us every time. 4 MB
+ * keeps what a held copy costs the other threads below a tenth of a switch interval (about
+ * 0.46 ms from memory, 0.13 ms from cache). */
+#define HOLD_GIL_BYTES (4LL << 20)
+static long long hold_bytes = HOLD_GIL_BYTES;
+static unsigned long long released; /* copies that let go of the GIL; changed under the GIL */
+
+static int run_job_in_turn(Job *job) {
+    int failed;
+    if ((job->threads == 1 || job->count <= 1) && job->bytes <= hold_bytes)
+        return run_job(job); /* on this thread alone (no helper): the GIL stays held */
+    released++;
+    Py_BEGIN_ALLOW_THREADS
+    failed = run_job(job);
+    Py_END_ALLOW_THREADS
+    return failed;
+}
+
+/* hold_gil_bytes([n]) -> int: the bound (as it was before n, if given). */
+static PyObject *hold_gil_bytes(PyObject *self, PyObject *args) {
+    long long n = -1, before = hold_bytes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|L", &n))
+        return NULL;
+    if (PyTuple_GET_SIZE(args) > 0) {
+        if (n < 0)
+            return PyErr_Format(PyExc_ValueError, "hold_gil_bytes must be >= 0, got %lld", n);
+        hold_bytes = n;
+    }
+    return PyLong_FromLongLong(before);
+}
+
+static PyObject *gil_releases(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyLong_FromUnsignedLongLong(released);
+}
+
 /* copy_pieces(dst_addr, dst_size, src_addr, src_size, descs, layer_ends, group, streaming,
  * threads, piece_bytes, progress_addr): the calling thread and up to threads - 1 of the copy
  * crew take the job's pieces in order (run_job); returns when all are done. Everything is
@@ -520,9 +576,7 @@ static PyObject *copy_pieces(PyObject *self, PyObject *args) {
                         piece_bytes, progress);
     if (job == NULL)
         return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    failed = run_job(job);
-    Py_END_ALLOW_THREADS
+    failed = run_job_in_turn(job);
     free_job(job);
     if (failed)
         return PyErr_Format(PyExc_OSError, "a copy thread could not be joined");
@@ -627,9 +681,7 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     descs = NULL; /* the job's now, or freed */
     if (job == NULL)
         goto done;
-    Py_BEGIN_ALLOW_THREADS
-    failed = run_job(job);
-    Py_END_ALLOW_THREADS
+    failed = run_job_in_turn(job);
     free_job(job);
     if (failed)
         PyErr_Format(PyExc_OSError, "a copy thread could not be joined");
@@ -668,6 +720,12 @@ static PyMethodDef methods[] = {
     {"merge_descriptors", merge_descriptors, METH_VARARGS,
      "merge_descriptors(descs, positions_or_None, layers, cap) -> (descriptors, layer_ends)\n\n"
      "Join single-row copies that continue each other (cap <= 0: none); see _native_plan.c."},
+    {"hold_gil_bytes", hold_gil_bytes, METH_VARARGS,
+     "hold_gil_bytes([n]) -> int\n\n"
+     "The most bytes a copy on the calling thread alone copies holding the GIL; with n, set it\n"
+     "to n (>= 0) and return the bound before."},
+    {"gil_releases", gil_releases, METH_NOARGS,
+     "gil_releases() -> int\n\nHow many copies (copy_pieces, copy_pages) let go of the GIL so far."},
     {"publish", publish, METH_VARARGS,
      "publish(addr, value) -> None\n\nStore value into the 32-bit word at addr and wake its waiters."},
     {NULL, NULL, 0, NULL},
@@ -681,6 +739,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "HAVE_STREAMING_STORES", HICACHE_HAVE_STREAM) < 0 ||
+                      PyModule_AddIntConstant(m, "HOLD_GIL_BYTES", HOLD_GIL_BYTES) < 0 ||
                       add_copy_queue(m) < 0)) {
         Py_DECREF(m);
         return NULL;

@@ -40,6 +40,7 @@ typedef struct {
     Piece *pieces;
     uint32_t *left; /* per layer: its pieces not yet done */
     Py_ssize_t count, layers, group, threads;
+    int64_t bytes; /* all its descriptors copy, at most INT64_MAX */
     uint32_t layers_done;
     int streaming;
     uint32_t *progress;

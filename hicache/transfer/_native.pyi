@@ -2,6 +2,7 @@
 from typing import Any
 
 HAVE_STREAMING_STORES: int
+HOLD_GIL_BYTES: int
 
 def copy_pieces(
     dst_addr: int,
@@ -36,6 +37,8 @@ def copy_pages(
 ) -> None: ...
 def wait_progress(addr: int, target: int, timeout_s: float, /) -> int: ...
 def publish(addr: int, value: int, /) -> None: ...
+def hold_gil_bytes(n: int = ..., /) -> int: ...
+def gil_releases() -> int: ...
 def build_descriptors(
     src_strides: Any,
     dst_strides: Any,

@@ -5,7 +5,9 @@ row_bytes, dst_stride, src_stride) computed from the two layouts' strides, in de
 order; chunks adjacent on both sides (page runs) merge into copies of about MERGE_CAP bytes.
 For a large transfer this planning is C (_native_plan.c) that holds the GIL: numpy would
 hand the GIL to any other busy Python thread on every large operation. The C extension
-(_native.c) copies a whole transfer per call with the GIL released: it cuts each layer into
+(_native.c) copies a whole transfer per call with the GIL released (one below
+HOLD_GIL_BYTES, copied by the calling thread alone, keeps it: taking the GIL back beside a
+busy Python thread can cost a switch interval, 5 ms, for a copy of tens of µs): it cuts each layer into
 pieces of about PIECE_BYTES, which the calling thread and the copy crew (threads of the C
 code's own that stay between calls, _native_crew.c) take one at a time in order, so the
 Python cost is per transfer, not per page, no Python thread hands work to another, and a
@@ -50,13 +52,20 @@ MERGE_CAP = 1 << 20  # merged copies end once past this (so at most MERGE_CAP + 
 # cost more than they save below about 8-16 MB (2-core VM, offload in process: 4 pages
 # 370 -> 200 us, 6 pages 540 -> 410 us).
 SMALL_BYTES = 8 << 20
+# The most bytes a copy on the calling thread alone copies holding the GIL (measured in
+# _native.c; benchmarks/transfer.py --gil-sweep); 0 without the extension.
+HOLD_GIL_BYTES: int = _native.HOLD_GIL_BYTES if _native is not None else 0
 # From SHARE_MIN_BYTES on, a transfer is copied by several threads: the caller and the copy
 # crew (_native_crew.c: threads that stay, woken through a futex). 2-core VM,
 # benchmarks/transfer.py, layer_first: 4 pages (5.9 MB) 0.48-0.51 of memcpy -> 0.64-0.78,
 # 16 pages 0.66-0.69 -> 0.96-1.08. One 1.47 MB page copies in 19 us on two threads, 33 on
 # one, back to back; but between other work that keeps the second core (torch's own copy
 # threads, as in the benchmark) waking a helper cost it 62 -> 72-89 us, so it stays on one.
-SHARE_MIN_BYTES = 2 << 20
+# Below HOLD_GIL_BYTES a copy stays on one thread, which keeps the GIL: an offload of two
+# pages (2.9 MB) beside a spinning Python thread took 2.0 ms on average on two threads that
+# let go of the GIL (12% of them over 1 ms), 1.4 ms on one that kept it (7.7%); alone, 335
+# and 315 us at the median (2-core VM under other load, load average 13).
+SHARE_MIN_BYTES = max(2 << 20, HOLD_GIL_BYTES)
 LAYERED_INLINE_BYTES = 4 << 20  # an asynchronous transfer below this runs in the caller, not queued
 STREAM_MIN_BYTES = 16 << 20  # about half the L3 of a server core complex; below it stay cached
 # The threads of a copy take its layers in pieces of about this many bytes (cut between

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from hicache.transfer import native
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "transfer.py"
 
 
@@ -31,6 +33,8 @@ def test_benchmark_smoke_json(layout, capsys):
         out["layerwise_over_plain"] > 0
         and out["layerwise_over_plain_1page"] > 0
         and out["layerwise_busy_over_plain"] > 0
+        and out["layerwise_busy_over_plain_1page"] > 0
+        and 0 <= out["layerwise_busy_1page_over_1ms"] <= 1
     )
     assert "page16_offload_ratio" not in out  # a transfer of 3 pages has no 16-page figure
     assert out["layout"] == layout and out["pages"] == 3 and out["page_size"] == 2 and out["device"] == "cpu"
@@ -46,3 +50,18 @@ def test_benchmark_table_and_bad_flags(capsys):
     assert "unknown KV dtype 'int3'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--pages", "0"])
+
+
+@pytest.mark.skipif(not native.available(), reason="C extension not built")
+def test_gil_sweep_smoke():
+    """The sweep behind HOLD_GIL_BYTES reports each figure and sets the bound back."""
+    bench = load_bench()
+    rows = bench.gil_sweep(sizes=(4096, 65536), span=1 << 20, repeat=4)
+    assert [r["bytes"] for r in rows] == [4096, 65536]
+    for r in rows:
+        for name in ("held", "released"):
+            assert r[f"{name}_busy_p50_us"] > 0 and r[f"{name}_busy_mean_us"] > 0
+            assert 0 <= r[f"{name}_busy_over_1ms"] <= 1
+        assert r["alone_us"] > 0
+    assert native._native is not None and native._native.hold_gil_bytes() == native.HOLD_GIL_BYTES
+    assert "released p50" in bench.sweep_table(rows)
