@@ -291,15 +291,17 @@ def test_pool_series_keep_their_name_across_registrations_and_the_dashboard_quer
             second = client.register(dev, model_id="mimo@test", namespace="ns")
             assert second.pool_id != first.pool_id
             assert pool_labels() == before == {"mimo@test|ns|full|tp0of1"}  # not the random pool id
-            with HiCacheClient(address) as replica:  # a second pool of the same name: summed, one series
+            with HiCacheClient(address) as replica:  # a second pool of the same name: one series
                 replica.register(dev, model_id="mimo@test", namespace="ns")
                 assert pool_labels() == before
                 body = (
                     urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
                 )
                 families = list(text_string_to_metric_families(body))
-                (cap,) = [s for f in families for s in f.samples if s.name == "hicache_host_pool_capacity_pages"]
-                assert cap.value == 2 * second.host_pages
+                samples = {s.name: s.value for f in families for s in f.samples if s.labels.get("pool")}
+                # it shares the first one's host cache: counted once, with its two members
+                assert samples["hicache_host_pool_capacity_pages"] == second.host_pages
+                assert samples["hicache_host_cache_members"] == 2
         exported = {s.name for f in families for s in f.samples}
         dash = json.loads((ROOT / "deploy" / "grafana" / "hicache.json").read_text())
         queried = {
