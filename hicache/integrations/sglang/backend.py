@@ -163,32 +163,36 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             return
 
     def _check_mla_readers(self, link: PoolLink) -> None:
-        """SGLang stores MLA pages from its writer ranks only (tp_rank == dcp_rank), so the
-        other ranks can read them only from the sidecar's storage tier; without one they never
-        hit, and SGLang takes the smallest hit over its TP ranks. Raises ValueError; warns when
-        the sidecar's write policy puts pages in storage late."""
+        """SGLang stores MLA pages from its writer ranks only (tp_rank == dcp_rank). On one
+        node every rank registers the same identity with the same sidecar, so the ranks share
+        its host cache and the readers hit the writer's pages in host memory. Across nodes
+        (--nnodes > 1) a rank on another node reads only what reached the storage tier;
+        without one it never hits, and SGLang takes the smallest hit over its TP ranks.
+        Raises ValueError then; warns when the write policy puts pages in storage late."""
         cfg = self.storage_config
-        if cfg.tp_size <= getattr(cfg, "dcp_size", 1):
-            return  # every rank is a writer
-        stats = self.client.stats(pool=link.pool_id)[0]
-        if stats.storage_backend == "none":
-            raise ValueError(
-                f"MLA with tp_size {cfg.tp_size} needs a storage tier on the hicache sidecar at {self.options.target} "
-                "(SGLang stores only from rank 0, the other ranks read from storage); it has storage backend 'none'"
-            )
-        if stats.write_policy not in ("write_through", ""):  # "": a sidecar too old to say
-            self._say(
-                "mla:write_policy",
-                f"MLA with tp_size {cfg.tp_size}: the hicache sidecar at {self.options.target} runs "
-                f"--hicache-write-policy {stats.write_policy}, so pages reach its storage tier late (on eviction "
-                "or reuse) and until then the ranks that read them from storage miss, and no prefix hits; "
-                "start it with --hicache-write-policy write_through",
-            )
         if getattr(cfg, "attn_cp_size", 1) > 1:
             self._say(
                 "mla:attn_cp",
                 f"MLA with attention context parallelism (size {cfg.attn_cp_size}): SGLang stores only rank 0's "
                 "slice of each page, so the other CP ranks miss and prefixes do not hit from storage",
+            )
+        nodes = sglang_nodes()
+        if cfg.tp_size <= getattr(cfg, "dcp_size", 1) or nodes == 1:
+            return  # every rank is a writer, or every reader shares the writer's host cache
+        stats = self.client.stats(pool=link.pool_id)[0]
+        if stats.storage_backend == "none":
+            raise ValueError(
+                f"MLA with tp_size {cfg.tp_size} over {nodes} nodes needs a storage tier on the hicache sidecar at "
+                f"{self.options.target} (SGLang stores only from rank 0; ranks on other nodes read from storage); "
+                "it has storage backend 'none'"
+            )
+        if stats.write_policy not in ("write_through", ""):  # "": a sidecar too old to say
+            self._say(
+                "mla:write_policy",
+                f"MLA with tp_size {cfg.tp_size} over {nodes} nodes: the hicache sidecar at {self.options.target} "
+                f"runs --hicache-write-policy {stats.write_policy}, so pages reach its storage tier late (on "
+                "eviction or reuse) and until then the ranks that read them from storage miss, and no prefix "
+                "hits; start it with --hicache-write-policy write_through",
             )
 
     # ---- the data path: never raises ---------------------------------------------------------
@@ -347,6 +351,17 @@ def down(exc: Exception) -> bool:
     if isinstance(exc, HiCacheRpcError):
         return exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
     return isinstance(exc, OSError)
+
+
+def sglang_nodes() -> int:
+    """SGLang's --nnodes as its server published it; 1 where nothing is published (SGLang's
+    classes used outside its server) or SGLang moved it."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return max(1, int(getattr(get_server_args(), "nnodes", 1) or 1))
+    except Exception:
+        return 1
 
 
 def mla_shard(cfg: HiCacheStorageConfig) -> str:

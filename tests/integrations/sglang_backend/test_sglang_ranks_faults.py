@@ -153,15 +153,53 @@ def test_mla_context_parallel_ranks_never_read_each_others_slice(tmp_path: Path,
         stop(proc)
 
 
-def test_mla_with_reader_ranks_refuses_a_sidecar_without_storage(tmp_path: Path, sockdir: str) -> None:
-    """SGLang stores MLA pages from rank 0 only; without a storage tier rank 1 would never hit,
-    and SGLang takes the smallest hit over its TP ranks: no prefix would ever hit."""
+@pytest.mark.parametrize(("layout", "allocator"), [("page_first", "default"), ("layer_first", "shm")])
+def test_mla_reader_ranks_hit_the_writers_pages_in_host_memory_without_a_storage_tier(
+    tmp_path: Path, sockdir: str, layout: str, allocator: str
+) -> None:
+    """Both ranks of one node register one identity with one sidecar: they share its host
+    cache, so rank 1 reads what rank 0 (SGLang's only MLA writer) stored, with no storage tier."""
+    proc, target = sidecar(sockdir, "deepseek_v3", "--tp-size", "2", "--hicache-storage-backend", "none")
+    try:
+        name = model_dir(tmp_path, "deepseek_v3")
+        pools = [mla_host_pool(61, layout=layout, allocator=allocator) for _ in (0, 1)]
+        backends = [
+            create(storage_config(name, target, layout=layout, tp=(r, 2), mla=True, allocator=allocator), pools[r])
+            for r in (0, 1)
+        ]
+        stats = [b.client.stats(pool=b.links["kv"].pool_id)[0] for b in backends]
+        assert stats[0].cache_id == stats[1].cache_id and stats[0].cache_members == 2
+        keys = keys_for(list(range(3 * 16)))
+        fill(pools[0], seed=30)
+        src = alloc(pools[0], 3)
+        want = [page_bytes(pools[0], p) for p in pages_of(src)]
+        assert backends[0].batch_set_v1(keys, src) == [True] * 3
+        fill(pools[1], seed=31)
+        assert backends[1].batch_exists(keys) == 3
+        dst = alloc(pools[1], 3)
+        assert backends[1].batch_get_v1(keys, dst) == [True] * 3
+        assert [page_bytes(pools[1], p) for p in pages_of(dst)] == want
+        for b in backends:
+            b.close()
+    finally:
+        stop(proc)
+
+
+def test_mla_reader_ranks_on_other_nodes_refuse_a_sidecar_without_storage(
+    tmp_path: Path, sockdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Across nodes (SGLang's --nnodes 2) a reader rank's sidecar never sees the writer's host
+    pages: without a storage tier it would never hit, and SGLang takes the smallest hit over
+    its TP ranks, so no prefix would ever hit."""
+    from hicache.integrations.sglang import backend as sglang_backend
+
+    monkeypatch.setattr(sglang_backend, "sglang_nodes", lambda: 2)
     proc, target = sidecar(sockdir, "deepseek_v3", "--tp-size", "2", "--hicache-storage-backend", "none")
     try:
         name = model_dir(tmp_path, "deepseek_v3")
         for r in (0, 1):
             cfg = storage_config(name, target, layout="page_first", tp=(r, 2), mla=True)
-            with pytest.raises(ValueError, match="MLA with tp_size 2 needs a storage tier.*storage backend 'none'"):
+            with pytest.raises(ValueError, match="MLA with tp_size 2 over 2 nodes needs a storage tier.*'none'"):
                 create(cfg, mla_host_pool(61, layout="page_first"))
         one = create(
             storage_config(name, target, layout="page_first", mla=True), mla_host_pool(61, layout="page_first")
@@ -173,8 +211,11 @@ def test_mla_with_reader_ranks_refuses_a_sidecar_without_storage(tmp_path: Path,
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through_selective", "write_through"])
 def test_mla_with_reader_ranks_warns_of_a_write_policy_that_stores_late(
-    tmp_path: Path, sockdir: str, policy: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, sockdir: str, policy: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from hicache.integrations.sglang import backend as sglang_backend
+
+    monkeypatch.setattr(sglang_backend, "sglang_nodes", lambda: 2)  # the storage tier matters across nodes
     proc, target = sidecar(sockdir, "deepseek_v3", "--tp-size", "2", "--hicache-write-policy", policy)
     try:
         name = model_dir(tmp_path, "deepseek_v3")
