@@ -22,8 +22,10 @@ the L3 read into SGLang's host tier, as SGLang's prefetch thread polls it), how 
 queued in all (`queue_time`, which includes that wait), and when its forward pass started
 and its prefill ended (the host-to-device load and the question's prefill). The rest of
 the TTFT is SGLang's HTTP server, tokenizer manager and scheduler. Medians are reported
-beside the TTFT, and `in_engine` (a document still in SGLang's device cache) is the floor
-that SGLang's server sets when nothing is loaded.
+beside the TTFT, and `in_engine` (a document still in SGLang's device cache, measured in each
+configuration's own server) is the floor that SGLang's server sets when nothing is loaded.
+Beside the plain ratios, `..._over_floor` divides each round-2 TTFT by its own server's floor
+first, which cancels a load that drifts between servers on a shared machine.
 """
 
 from __future__ import annotations
@@ -175,8 +177,7 @@ class SglangBench:
 
         try:
             out: dict[str, Any] = {"server_start_s": server.started_s, **self.documents(server, settle)}
-            if name == "engine":
-                out |= self.in_engine(server)
+            out |= self.in_engine(server)  # each server's own floor: the machine's load drifts between servers
             if not self.a.no_chat and name in ("engine", "hicache"):
                 out |= self.chat(server, tokens)
             return out
@@ -205,4 +206,10 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
         r(name, "round2_prefetch_wait_s", "hicachefile", "round2_prefetch_wait_s")
     r("engine", "in_engine_ttft_s", "engine", "round2_ttft_s")
     r("hicache", "chat_tokens_per_s", "engine", "chat_tokens_per_s")
+    floored = {
+        n: res["round2_ttft_s"] / res["in_engine_ttft_s"] for n, res in results.items() if res.get("in_engine_ttft_s")
+    }
+    for name in ("hicache", "file"):
+        if name in floored and "hicachefile" in floored:
+            out[f"{name}_round2_over_floor_over_hicachefile"] = floored[name] / floored["hicachefile"]
     return out
