@@ -21,14 +21,14 @@ import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from hicache.cache.tiering import HierarchicalCache
-from hicache.pools import HostKVPool
 from hicache.sidecar.errors import StateError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch: the service loads it with the first pool
+    from hicache.cache.tiering import HierarchicalCache
     from hicache.geometry import KVGeometry
+    from hicache.pools import HostKVPool
     from hicache.sidecar.events import PoolEvents
     from hicache.sidecar.registration import PoolRequest
 
@@ -56,10 +56,9 @@ class SharedHostCache:
     closes the cache (leave() says so; the caller then calls close())."""
 
     def __init__(self, identity: CacheIdentity | None, cache: HierarchicalCache):
-        assert isinstance(cache.pool, HostKVPool)
         self.identity = identity
         self.cache = cache
-        self.host: HostKVPool = cache.pool
+        self.host = cast("HostKVPool", cache.pool)  # a HostKVPool: the sidecar's caches are over one
         self.cache_id = "cache-" + secrets.token_hex(6)
         # the host pages it grows to in the background (sidecar.host_growth): its share of the budget
         self.host_goal = self.host.num_pages
