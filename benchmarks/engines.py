@@ -249,7 +249,13 @@ class Bench:
         else:  # host tier 2.5 documents: most round-2 reads come from files
             side = self.sidecar(name, 2.5 * self.doc_blocks / self.blocks, ())
             kv = hicache_config(side.target)
-        server = self.server(name, kv)
+        try:
+            server = self.server(name, kv)
+        except BaseException:  # vLLM did not start: the sidecar goes too
+            if side is not None:
+                side.stop()
+                shutil.rmtree(side.sockdir, ignore_errors=True)
+            raise
 
         def settle() -> None:
             server.completion(self.questions[0][0], max_tokens=1)  # one more step submits the last stores

@@ -167,7 +167,12 @@ class SglangBench:
                 side = self.sidecar(2 * (self.a.docs + 2) * self.doc_pages, ("--hicache-storage-backend", "none"))
             else:
                 side = self.sidecar(2.5 * self.doc_pages, ())
-            server = self.server(name, hicache_args(side.target, **threshold), self.host_ratio)
+            try:
+                server = self.server(name, hicache_args(side.target, **threshold), self.host_ratio)
+            except BaseException:  # SGLang did not start: the sidecar goes too
+                side.stop()
+                shutil.rmtree(side.sockdir, ignore_errors=True)
+                raise
 
         def settle() -> None:
             server.generate(self.questions[0][0], max_new_tokens=1)
