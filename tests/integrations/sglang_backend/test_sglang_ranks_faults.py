@@ -366,13 +366,20 @@ def test_a_geometry_mismatch_fails_start_up_naming_the_field(tmp_path: Path, soc
         stop(proc)
 
 
-def test_bad_target_layout_and_keys_fail_at_start_up(tmp_path: Path, sockdir: str) -> None:
+def test_a_down_sidecar_starts_with_misses_and_bad_layout_or_keys_fail_at_start_up(
+    tmp_path: Path, sockdir: str, caplog: pytest.LogCaptureFixture
+) -> None:
     name = model_dir(tmp_path, "mimo_v2_flash")
     pool = mimo_full("page_first")
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match="is hicache-server running there"):
-        create(storage_config(name, f"unix://{sockdir}/nobody.sock", layout="page_first", timeout_s=1), pool)
+    with caplog.at_level("WARNING", logger="hicache.integrations.sglang"):
+        backend = create(storage_config(name, f"unix://{sockdir}/nobody.sock", layout="page_first", timeout_s=1), pool)
+        keys = keys_for(list(range(16)))
+        assert backend.batch_exists(keys) == 0 and backend.batch_get_v1(keys, alloc(pool, 1)) == [False]
+        backend.close()
     assert time.monotonic() - t0 < 30  # it does not hang SGLang's start-up
+    down = [r.getMessage() for r in caplog.records if "is hicache-server running there" in r.getMessage()]
+    assert len(down) == 1  # one warning, then misses
     with pytest.raises(ValueError, match=r"unknown hicache key\(s\) \['targt'\].*'target'"):
         create(storage_config(name, "unix:///x", layout="page_first", targt="y"), pool)
     head = mha_host_pool(2, 4, 128, 128, layout="page_head")
