@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
@@ -102,3 +103,22 @@ def launch(
         time.sleep(poll_s)
     server.stop()
     raise RuntimeError(f"{name} was not healthy after {timeout_s:.0f} s:\n{server.tail()}")
+
+
+class Completes(Protocol):
+    def complete(self, ids: list[int]) -> list[int]: ...
+
+
+class Reference:
+    """The engine alone's greedy output of each prompt (8 tokens), asked once: of either
+    engine's server (vLLM's or SGLang's, each with complete())."""
+
+    def __init__(self, server: Completes):
+        self.server = server
+        self._outputs: dict[tuple[int, ...], list[int]] = {}
+
+    def __call__(self, ids: list[int]) -> list[int]:
+        key = tuple(ids)
+        if key not in self._outputs:
+            self._outputs[key] = self.server.complete(ids)
+        return self._outputs[key]

@@ -201,17 +201,3 @@ def engine_alone(config: pytest.Config) -> SglangServer:
         config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
         config.add_cleanup(server.stop)
     return config.stash[_ALONE]
-
-
-class Reference:
-    """The engine alone's greedy output of each prompt (8 tokens), asked once."""
-
-    def __init__(self, server: SglangServer):
-        self.server = server
-        self._outputs: dict[tuple[int, ...], list[int]] = {}
-
-    def __call__(self, ids: list[int]) -> list[int]:
-        key = tuple(ids)
-        if key not in self._outputs:
-            self._outputs[key] = self.server.complete(ids)
-        return self._outputs[key]

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from integrations.server_process import Reference
 from integrations.vllm_server.tiny_models import llama
 from integrations.vllm_server.vllm_server_env import Sidecar, prompt
 from sglang_server_env import (
     PAGE,
-    Reference,
     SglangServer,
     cached,
     engine_alone,

@@ -9,11 +9,11 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+from integrations.server_process import Reference
 from vllm_server_env import (
     BLOCK,
     BLOCKS,
     EXTERNAL_HITS,
-    Reference,
     Sidecar,
     VllmServer,
     engine_alone,

@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from integrations.server_process import Reference
 from vllm_server_env import (
     BLOCK,
     BLOCKS,
     EXTERNAL_HITS,
-    Reference,
     Sidecar,
     VllmServer,
     engine_alone,
