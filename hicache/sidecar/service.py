@@ -171,7 +171,9 @@ class HiCacheService:
 
     def _join(self, req: PoolRequest, parts: PoolParts, key: CacheIdentity | None) -> RegisteredPool | NoSpace:
         """The pool as a member of the live host cache of its identity, or of a new one
-        (_build). Under the space lock."""
+        (_build). Under the space lock. Either way, dead processes' segments go first: a
+        registration is the sweep's moment, whether or not it makes a host pool."""
+        _sweep()
         shared = self._live_cache(key)
         if shared is None:
             return self._build(req, parts)
@@ -188,7 +190,6 @@ class HiCacheService:
     def _build(self, req: PoolRequest, parts: PoolParts) -> RegisteredPool | NoSpace:
         """The pool over `parts`, with its host pages taken from the budget (under the space
         lock). NoSpace, with every live pool's share given back, when they do not fit."""
-        _sweep()
         host_pages = self._host_pages(req)
         if isinstance(host_pages, NoSpace):
             return host_pages

@@ -73,6 +73,31 @@ def test_a_second_engine_of_the_model_reloads_the_first_ones_pages_bit_exact(dev
         svc.close()
 
 
+def test_a_registration_that_joins_a_live_cache_still_sweeps_dead_processes_segments(
+    devices: list[DeviceKVPool],
+) -> None:
+    """The sweep belongs to every registration: engines killed while their cache lives on
+    (other members hold it) leave device segments only a joining registration can remove."""
+    import os
+
+    from hicache.memory import shm
+
+    svc = make_service()
+    a, b, _ = devices
+    ns, pid, start = shm._owner()
+    dead = f"hicache-{ns}-{pid}-{start + 1}-{uuid.uuid4().hex[:24]}"  # this pid, another start: dead
+    try:
+        ia = join(svc, a)
+        open(os.path.join(shm.shm_dir(), dead), "wb").close()
+        ib = join(svc, b)
+        assert ib.host_shm_name == ia.host_shm_name  # it joined; it built nothing
+        assert not shm_exists(dead)
+    finally:
+        if shm_exists(dead):
+            os.unlink(os.path.join(shm.shm_dir(), dead))
+        svc.close()
+
+
 def test_another_namespace_another_model_or_no_model_never_joins(devices: list[DeviceKVPool]) -> None:
     svc = make_service()
     a, b, c = devices
