@@ -175,7 +175,7 @@ def backend_reachable(backend: str, extra: Mapping[str, Any]) -> tuple[bool, str
 def redis_kind(extra: Mapping[str, Any]) -> tuple[bool | None, str]:
     """(whether the first Redis that answers is a cluster node, "") or (None, why none
     answered), for a resolved redis extra config. Never raises."""
-    from hicache.storage.redis_cluster_link import split_urls
+    from hicache.storage.redis_options import split_urls
 
     try:
         import redis

@@ -14,7 +14,6 @@ is Redis's own `maxmemory` with an LRU `maxmemory-policy`.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from typing import Any
 from hicache.storage import page_format as fmt
 from hicache.storage.base import Buffer, LazyThreads, Payload, StorageTier, TierHealth, TierIdentity, TierStats
 from hicache.storage.redis_link import Backoff, Command, Link, ServerLink, down_errors
+from hicache.storage.redis_options import check_options
 from hicache.storage.resp import Into, Parts
 
 # A batch's pages are checksummed before any is sent; those of PARALLEL_HASH_BYTES or more
@@ -53,34 +53,6 @@ end
 return 0
 """
 Found = tuple[bytes, str, Any]  # (Redis key, what was found there, its length or value): see DROP_UNCHANGED
-
-
-def check_options(
-    url: object,
-    timeout_s: object,
-    ttl_s: object,
-    backoff_initial_s: object,
-    backoff_max_s: object,
-    cluster: object = False,
-) -> None:
-    """Raise ValueError naming the first bad RedisTier option (also used to check a
-    sidecar's extra config at start-up, before any pool registers)."""
-    if not isinstance(cluster, bool):
-        raise ValueError(f"redis cluster must be true or false, got {cluster!r}")
-    if cluster:
-        from hicache.storage.redis_cluster_link import split_urls
-
-        split_urls(url)  # type: ignore[arg-type]
-    elif not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {url!r}")
-    named = {"timeout_s": timeout_s, "backoff_initial_s": backoff_initial_s, "backoff_max_s": backoff_max_s}
-    if ttl_s is not None:
-        named["ttl_s"] = ttl_s
-    for name, value in named.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    if backoff_max_s < backoff_initial_s:  # type: ignore[operator]
-        raise ValueError(f"backoff_max_s {backoff_max_s} is below backoff_initial_s {backoff_initial_s}")
 
 
 class RedisTier(StorageTier):

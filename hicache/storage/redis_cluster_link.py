@@ -7,7 +7,8 @@ ASKING before the command), and a MOVED also refreshes the slot map. A node that
 answer is backed off on its own, its commands fail (misses, failed writes) at once, and the
 slot map is refreshed, so that a replica that took over is found. Nothing here raises on
 the data path; pages are verified by the tier above, so a redirect can cost a miss, never
-a wrong page.
+a wrong page. The client, the slot map, each node's backoff and the cluster's health are in
+redis_cluster_topology.
 """
 
 from __future__ import annotations
@@ -18,31 +19,14 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
 from typing import Any
-from urllib.parse import urlsplit
 
-from hicache.storage.base import LazyThreads, TierHealth
+from hicache.storage.base import LazyThreads
+from hicache.storage.redis_cluster_topology import ClusterTopology
 from hicache.storage.redis_link import Backoff, Command, command_key, down_errors, redis_errors
 from hicache.storage.resp import Into, Wires
 
-REFRESH_EVERY_S = 0.25  # the most often the slot map is asked for again
 
-
-def split_urls(url: str | Sequence[str]) -> list[str]:
-    """The startup nodes' URLs: one URL, a comma-separated string, or a list. Raises
-    ValueError for an empty list or a URL a cluster cannot use."""
-    urls = [u.strip() for u in url.split(",")] if isinstance(url, str) else list(url)
-    if not urls or not all(isinstance(u, str) and u for u in urls):
-        raise ValueError(f"redis cluster url must be a URL or a list of URLs, got {url!r}")
-    for u in urls:
-        if not u.startswith(("redis://", "rediss://")):
-            raise ValueError(f"redis cluster url must start with redis:// or rediss:// (no unix sockets), got {u!r}")
-        parts = urlsplit(u)
-        if not parts.hostname or parts.path not in ("", "/", "/0"):
-            raise ValueError(f"redis cluster url needs host:port and no database but 0, got {u!r}")
-    return urls
-
-
-class ClusterLink:
+class ClusterLink(ClusterTopology):
     """The cluster that the startup nodes in `url` belong to. Connects lazily: an unreachable
     cluster makes the link unhealthy, not the constructor fail."""
 
@@ -56,17 +40,8 @@ class ClusterLink:
         on_error: Callable[[str], None],
         clock: Callable[[], float],
     ):
-        self.urls = split_urls(url)
-        self.url = ",".join(self.urls)
-        self._timeout, self._make_backoff, self._on_error, self._clock = timeout_s, make_backoff, on_error, clock
+        super().__init__(url, timeout_s, make_backoff, on_error, clock)
         self._down = down_errors()
-        self._lock = threading.Lock()  # guards _client, _nodes, _node_wires, _refreshed_at
-        self._client: Any = None
-        self._closed = False  # close() ran: no client is made again
-        self._connect_backoff = make_backoff()
-        self._nodes: dict[str, Backoff] = {}  # host:port -> its health, for every node that ever failed
-        self._refreshed_at = -REFRESH_EVERY_S
-        self._refreshing = threading.Lock()
         self._senders = LazyThreads(8, "hicache-redis-node")  # made again in a forked child
         self._node_wires: dict[str, Wires] = {}  # host:port -> connections of the data path
         ClusterLink._all.add(self)
@@ -80,65 +55,6 @@ class ClusterLink:
             inherited, link._node_wires = list(link._node_wires.values()), {}
             for wires in inherited:
                 wires.forget_inherited()
-
-    # ---- topology -----------------------------------------------------------------------------
-    def _cluster(self) -> Any:
-        """The RedisCluster client, connecting first if needed (None while unreachable, and
-        once closed)."""
-        with self._lock:
-            if self._client is not None or self._closed:
-                return self._client
-        if self._connect_backoff.blocked():
-            return None
-        from redis.cluster import ClusterNode, RedisCluster
-
-        try:
-            others = [ClusterNode(urlsplit(u).hostname, urlsplit(u).port or 6379) for u in self.urls[1:]]
-            client = RedisCluster.from_url(
-                self.urls[0],
-                startup_nodes=others,
-                socket_timeout=self._timeout,
-                socket_connect_timeout=self._timeout,
-                require_full_coverage=False,
-            )
-        except redis_errors() as exc:
-            self._connect_backoff.failed()
-            self._on_error(f"redis cluster {self.url}: {type(exc).__name__}: {exc}")
-            return None
-        self._connect_backoff.ok()
-        with self._lock:
-            if self._client is None and not self._closed:
-                self._client, self._refreshed_at = client, self._clock()
-            else:
-                client.close()  # another thread's connected meanwhile, or close() ran
-            return self._client
-
-    def _refresh(self) -> None:
-        """Ask for the slot map again, at most every REFRESH_EVERY_S, by one thread at a time."""
-        with self._lock:
-            client = self._client
-            if client is None or self._clock() - self._refreshed_at < REFRESH_EVERY_S:
-                return
-            self._refreshed_at = self._clock()
-        if not self._refreshing.acquire(blocking=False):
-            return
-        try:
-            client.nodes_manager.initialize()
-        except Exception as exc:  # noqa: BLE001 - a refresh that fails leaves the old map
-            self._on_error(f"redis cluster {self.url}: slot map refresh failed: {type(exc).__name__}: {exc}")
-        finally:
-            self._refreshing.release()
-
-    def _node_backoff(self, name: str) -> Backoff:
-        with self._lock:
-            if name not in self._nodes:
-                self._nodes[name] = self._make_backoff()
-            return self._nodes[name]
-
-    def _blocked(self, name: str) -> bool:
-        with self._lock:
-            backoff = self._nodes.get(name)
-        return backoff is not None and backoff.blocked()
 
     # ---- the data path --------------------------------------------------------------------------
     def run(self, commands: Sequence[Command], into: Into | None = None) -> list[Any]:
@@ -248,56 +164,11 @@ class ClusterLink:
             backoff.ok()
         return out[1::2] if asking else out
 
-    # ---- health -----------------------------------------------------------------------------
-    def health(self) -> TierHealth:
-        client = self._cluster()
-        if client is None:
-            if self._closed:
-                return TierHealth(False, f"redis cluster {self.url} closed")
-            return TierHealth(
-                False, f"redis cluster {self.url} unreachable; retry in {self._connect_backoff.retry_in():.2f}s"
-            )
-        for name in self._due():
-            self._probe(client, name)
-        serving = self._masters(client)
-        down = set(self.nodes_down())
-        if down & serving or len(self._covered(client)) < 16384:
-            self._refresh()  # a replica may have taken over since
-            serving, covered = self._masters(client), self._covered(client)
-            if down & serving or len(covered) < 16384:
-                return TierHealth(
-                    False,
-                    f"redis cluster {self.url}: {16384 - len(covered)} slots unserved, "
-                    f"masters down: {sorted(down & serving)}",
-                )
-        if down:
-            return TierHealth(True, f"redis cluster: nodes down but their slots are served: {sorted(down)}")
-        return TierHealth(True)
-
-    def _due(self) -> list[str]:
-        with self._lock:
-            return [name for name, b in self._nodes.items() if b.due()]
-
+    # ---- a down node's probe (health, in redis_cluster_topology), and close ---------------------
     def _probe(self, client: Any, name: str) -> None:
         host, port = name.rsplit(":", 1)
         node = client.nodes_manager.get_node(host, int(port)) or _node(host, int(port))
         self._pipeline(client, node, [("PING",)], asking=False)
-
-    @staticmethod
-    def _masters(client: Any) -> set[str]:
-        with client.nodes_manager._lock:
-            return {nodes[0].name for nodes in client.nodes_manager.slots_cache.values() if nodes}
-
-    @staticmethod
-    def _covered(client: Any) -> list[int]:
-        with client.nodes_manager._lock:
-            return [slot for slot, nodes in client.nodes_manager.slots_cache.items() if nodes]
-
-    def nodes_down(self) -> list[str]:
-        if self._client is None and not self._connect_backoff.healthy:
-            return list(self.urls)
-        with self._lock:
-            return sorted(name for name, b in self._nodes.items() if not b.healthy)
 
     def close(self) -> None:
         with self._lock:  # first: a call in flight then makes no new threads or connections
