@@ -1,29 +1,23 @@
-"""Building and running the sidecar: create_server(config) -> (server, address), and main()."""
+"""Building and running the sidecar: create_server(config) -> (server, address), and main().
+The started server is server.running_server's HiCacheServer; where it listens, server.listen."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import signal
-import socket
-import stat
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
 from concurrent import futures
 from types import FrameType
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hicache.memory import fd_socket_path, serve_fds
-from hicache.memory.fd import FdListener
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.sidecar.service import HiCacheService
 from hicache.storage.factory import default_file_dir, file_dir_problem
@@ -31,207 +25,18 @@ from hicache.storage.factory import default_file_dir, file_dir_problem
 from .auth import TokenInterceptor
 from .config import ServerConfig, build_parser, host_budget_problem, parse_args, requested_log_format
 from .decoding import add_servicer
-from .drain import Drain
 from .envflags import unknown_variables
 from .health_monitor import NOT_SERVING, HealthMonitor
+from .health_service import HealthService
+from .listen import _bind, _prepare_socket
 from .logs import announce, configure_logging
 from .metrics import Metrics, metrics_url
+from .running_server import HiCacheServer
 from .servicer import HiCacheServicer
 from .streams import StreamSlots
 
 log = logging.getLogger("hicache.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HiCache"].full_name
-
-
-class HiCacheServer:
-    """A started sidecar: the gRPC server, the service, and the reaper of expired leases and
-    unclaimed fds."""
-
-    def __init__(
-        self,
-        config: ServerConfig,
-        grpc_server: grpc.Server,
-        service: HiCacheService,
-        addresses: list[str],
-        *,
-        monitor: HealthMonitor | None = None,
-        metrics: Metrics | None = None,
-        metrics_port: int | None = None,
-        executor: futures.ThreadPoolExecutor | None = None,
-        end_streams: Sequence[Callable[[], None]] = (),
-        drain: Drain | None = None,
-    ):
-        self.config = config
-        self.grpc = grpc_server
-        self.service = service
-        self.addresses = addresses
-        self.monitor = monitor
-        self.metrics = metrics
-        self.metrics_port = metrics_port  # the bound port of /metrics, when served
-        self.fd_listener: FdListener | None = None  # engines' fds (memfd pools), beside the socket
-        self._executor = executor  # the RPC threads: shut down with the server
-        self._end_streams = end_streams  # end the open streams (events, health Watch) cleanly
-        self.drain = drain  # the servicer's unary calls: finished before gRPC stops
-        self._stopped = threading.Event()
-        interval = config.reap_interval_s or min(1.0, config.service.lease_timeout_s / 4)
-        self._reaper = threading.Thread(target=self._reap, args=(interval,), name="hicache-reaper", daemon=True)
-        self._reaper.start()
-
-    def _reap(self, interval: float) -> None:
-        """Release the pools whose lease ran out, every `interval` s. A lease measures the
-        engine's silence, not the sidecar's: a tick that comes late by more than an interval
-        (and a second) means this process was not running (SIGSTOP, CPU starvation, a paused
-        VM) while renewals queued up, so every lease is extended by that time and this tick
-        reaps nothing, leaving the queued KeepAlives to be read first."""
-        last = time.monotonic()
-        while not self._stopped.wait(interval):
-            now = time.monotonic()
-            stalled, last = now - last - interval, now
-            if stalled > interval + 1.0:
-                self.service.extend_leases(stalled)
-                log.warning("the sidecar did not run for %.1f s: every lease is extended by that time", stalled)
-                continue
-            for pool_id in self.service.reap_expired():
-                log.warning("lease expired: released pool %s", pool_id)
-            closed = self.service.fds.expire()  # an engine that sent fds and died before registering
-            if closed:
-                log.warning("closed %d fds that no registration claimed in time", closed)
-
-    def stop(self, grace: float | None = None) -> None:
-        """Stop taking calls (a new one is answered FAILED_PRECONDITION while the running ones
-        finish: server.drain), then stop gRPC, end the open streams (KV events, health Watch:
-        each ends cleanly after what it has queued), all within `grace` s, release every
-        pool (in-flight transfers finish, shared memory is unlinked), join the server's threads
-        and remove the socket. Idempotent."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
-        if self.monitor is not None:
-            self.monitor.stop()
-        grace = self.config.grace_s if grace is None else grace
-        if self.drain is not None:
-            grace = self.drain.start(grace)
-        stopped = self.grpc.stop(grace)
-        for end in self._end_streams:  # streams without end would hold the whole grace, then fail
-            end()
-        stopped.wait()
-        self.service.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        if self.metrics is not None:
-            self.metrics.stop()
-        self._reaper.join()
-        if self.fd_listener is not None:
-            self.fd_listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(fd_socket_path(self.config.socket))
-        self.service.fds.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.config.socket)
-
-    def wait(self) -> None:
-        self.grpc.wait_for_termination()
-
-
-def _prepare_socket(path: str) -> None:
-    """Create the socket's directory (0700 when we make it) and remove a stale socket file.
-
-    Raises ValueError if another user could replace the socket (the folder belongs to
-    someone else, or others may write in it without the sticky bit), if `path` exists and
-    is not a socket, or if a live server already listens on it.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.stat(directory)
-    if st.st_uid not in (os.getuid(), 0):
-        raise ValueError(f"socket folder {directory} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise ValueError(f"socket folder {directory} is writable by others (mode {oct(st.st_mode & 0o777)})")
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise ValueError(f"{path} exists and is not a socket; not replacing it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)  # stale: nobody listens
-        return
-    finally:
-        probe.close()
-    raise ValueError(f"a server already listens on {path}")
-
-
-def tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
-    """Server credentials from --tls-cert/--tls-key (and --tls-client-ca for mTLS), or None."""
-    if not config.tls_cert or not config.tls_key:
-        return None
-
-    def read(path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
-
-    client_ca = read(config.tls_client_ca) if config.tls_client_ca else None
-    return grpc.ssl_server_credentials(
-        [(read(config.tls_key), read(config.tls_cert))],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
-    )
-
-
-class HealthService(health.HealthServicer):
-    """grpc's health service with end_watches(): on shutdown it ends every open Watch stream
-    (after its last answer, NOT_SERVING), which would otherwise hold the server all its grace."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._watches_lock = threading.Lock()
-        self._watches: set[Callable[[], None]] = set()
-        self._ending = False
-
-    def Watch(self, request: Any, context: grpc.ServicerContext, send_response_callback: Any = None) -> Any:
-        stream = super().Watch(request, context, send_response_callback)
-        # the blocking form returns its stream; the other one ends when sent None
-        end = stream.close if stream is not None else functools.partial(send_response_callback, None)
-        with self._watches_lock:
-            if not self._ending:
-                self._watches.add(end)
-                context.add_callback(functools.partial(self._forget, end))
-                return stream
-        end()  # a Watch that came while shutting down
-        return stream
-
-    def _forget(self, end: Callable[[], None]) -> None:
-        with self._watches_lock:
-            self._watches.discard(end)
-
-    def end_watches(self) -> None:
-        with self._watches_lock:
-            self._ending = True
-            ends, self._watches = list(self._watches), set()
-        for end in ends:
-            end()
-
-
-def _bind(server: grpc.Server, config: ServerConfig, address: str) -> list[str]:
-    """Add the socket's and --listen's ports; returns the addresses. Raises ValueError naming an
-    address that cannot be bound."""
-    try:
-        server.add_insecure_port(address)
-    except RuntimeError:  # grpcio raises this, not OSError, for an address it cannot bind
-        raise ValueError(f"cannot listen on {address}") from None
-    if not config.listen:
-        return [address]
-    creds = tls_credentials(config)
-    try:
-        port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        raise ValueError(f"cannot listen on {config.listen}: the port is taken or the host is not an address here")
-    return [address, f"{config.listen.rpartition(':')[0]}:{port}"]
 
 
 def create_server(config: ServerConfig, service: HiCacheService | None = None) -> tuple[HiCacheServer, str]:
