@@ -3,16 +3,14 @@
 It holds no logic of its own. ValueError -> INVALID_ARGUMENT, UnknownId -> NOT_FOUND,
 StateError -> FAILED_PRECONDITION, a NoSpace return (or a stream beyond the server's
 StreamSlots) -> RESOURCE_EXHAUSTED, anything else -> INTERNAL. Authentication is the interceptor's job (server/auth.py).
+The mapping itself is in server/error_mapping.py.
 """
 
 from __future__ import annotations
 
-import functools
 import hmac
-import logging
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Iterator
 
 import grpc
 from google.protobuf import duration_pb2
@@ -21,53 +19,13 @@ from hicache.api import ADMIN_TOKEN, POOL_SECRET
 from hicache.rpc import convert
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.rpc.generated import hicache_pb2_grpc as pb_grpc
-from hicache.sidecar.errors import NoSpace, StateError, UnknownId
+from hicache.sidecar.errors import NoSpace, UnknownId
 from hicache.sidecar.events import Subscription
 from hicache.sidecar.service import HiCacheService
 
 from .drain import Drain
+from .error_mapping import Exhausted, Forbidden, _mapped, abort_for
 from .streams import StreamSlots
-
-log = logging.getLogger("hicache.server")
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class Exhausted(Exception):
-    """A NoSpace answer, or no room for another stream: raised inside the servicer only to
-    reach abort_for (RESOURCE_EXHAUSTED)."""
-
-
-def abort_for(exc: BaseException, context: grpc.ServicerContext) -> NoReturn:
-    """Abort the call with the status code of `exc` (see the module docstring)."""
-    if isinstance(exc, ValueError):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, UnknownId):
-        context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else "not found")
-    if isinstance(exc, StateError):
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-    if isinstance(exc, Exhausted):
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-    if isinstance(exc, Forbidden):
-        context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-    log.exception("internal error", exc_info=exc)
-    context.abort(grpc.StatusCode.INTERNAL, "internal error: the sidecar's log has the details")
-    raise AssertionError("context.abort raises")
-
-
-def _mapped(method: F) -> F:
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            with self.drain.call():  # once draining (shutdown): FAILED_PRECONDITION
-                return method(self, request, context)
-        except Exception as exc:
-            abort_for(exc, context)
-
-    return wrapper  # type: ignore[return-value]
-
-
-class Forbidden(Exception):
-    """A call naming a pool without its secret, or all pools without the admin token."""
 
 
 class HiCacheServicer(pb_grpc.HiCacheServicer):
