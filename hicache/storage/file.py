@@ -23,10 +23,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hicache.storage import page_format as fmt
-from hicache.storage.base import Buffer, LazyThreads, Payload, TierIdentity, skip_done
+from hicache.storage.base import Buffer, Payload, TierIdentity, skip_done
 from hicache.storage.file_index import _unlink
 from hicache.storage.file_reads import FileReads
 from hicache.storage.file_writes import FileWrites
+from hicache.storage.lazy_threads import LazyThreads
 from hicache.validate import is_int
 
 IOV_MAX = max(0, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 0) or 1024  # buffers per preadv

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from hicache.storage import page_format as fmt
-from hicache.storage.base import LazyThreads, check_pieces
+from hicache.storage.base import check_pieces
 from hicache.storage.file_index import FileIndex
+from hicache.storage.lazy_threads import LazyThreads
 
 R = TypeVar("R")
 

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hicache.storage import page_format as fmt
-from hicache.storage.base import Buffer, LazyThreads, Payload, StorageTier, TierHealth, TierIdentity, TierStats
+from hicache.storage.base import Buffer, Payload, StorageTier, TierHealth, TierIdentity, TierStats
+from hicache.storage.lazy_threads import LazyThreads
 from hicache.storage.redis_link import Backoff, Command, Link, ServerLink, down_errors
 from hicache.storage.redis_options import check_options
 from hicache.storage.resp import Into, Parts

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import wait
 from typing import Any
 
-from hicache.storage.base import LazyThreads
+from hicache.storage.lazy_threads import LazyThreads
 from hicache.storage.redis_cluster_topology import ClusterTopology
 from hicache.storage.redis_link import Backoff, Command, command_key, down_errors, redis_errors
 from hicache.storage.resp import Into, Wires
