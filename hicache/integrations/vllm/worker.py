@@ -35,7 +35,7 @@ from hicache.geometry import KVGeometry
 from hicache.integrations.vllm import rendezvous
 from hicache.integrations.vllm.batches import BATCH
 from hicache.integrations.vllm.keys import KEY_HASH, GroupMoves, plan_moves
-from hicache.integrations.vllm.manager import HiCacheLoadStoreSpec
+from hicache.integrations.vllm.load_store_spec import HiCacheLoadStoreSpec
 from hicache.integrations.vllm.memory import GroupMemory, group_memory
 from hicache.integrations.vllm.options import Options
 
