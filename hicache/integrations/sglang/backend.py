@@ -5,8 +5,9 @@ SGLang builds it with `cls(storage_config, kwargs)` and registers its host pools
 host pool (the KV pool, and an SWA pool for hybrid models) becomes one sidecar pool, whose
 geometry the sidecar checks at registration, so a mismatch fails SGLang's start-up. A
 sidecar that is down at start-up does not stop SGLang: one warning, misses, and the pool is
-registered once the sidecar answers. The data-path methods never raise: a sidecar that is
-down or restarting gives misses (False, 0).
+registered once the sidecar answers (what is settled before a pool registers, and the
+refusals that stop SGLang's start-up, are in pool_setup). The data-path methods never
+raise: a sidecar that is down or restarting gives misses (False, 0).
 """
 
 from __future__ import annotations
@@ -26,11 +27,16 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from hicache.client import HiCacheClient, HiCacheRpcError
-from hicache.geometry import model_geometries
-from hicache.hf_config import load_model_config
 from hicache.integrations.sglang.link import PoolLink, page_numbers
 from hicache.integrations.sglang.options import Options
-from hicache.integrations.sglang.pool_views import fp8_setting, geometry_of, stage_geometry
+from hicache.integrations.sglang.pool_setup import (
+    check_mla_readers,
+    copy_path,
+    pool_geometry,
+    pool_identity,
+    sglang_kv_cache_dtype,  # noqa: F401
+    sglang_nodes,
+)
 
 log = logging.getLogger("hicache.integrations.sglang")
 GROUPS = {"kv": "full", "swa": "swa"}  # SGLang host pool name -> hicache KV group
@@ -69,41 +75,9 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             return
         cfg, opts = self.storage_config, self.options
         mla = bool(cfg.is_mla_model)
-        config = load_model_config(cfg.model_name, opts.model_config)
-        kv_dtype = fp8_setting(opts.kv_cache_dtype, sglang_kv_cache_dtype())
-        geometry = geometry_of(host_pool, kv_cache_dtype=kv_dtype)
-        if config is not None:  # the model's layer ids for this group (this PP stage's), and a cross-check
-            tp = 1 if mla else cfg.tp_size
-            want = model_geometries(config, tp_size=tp, page_size=geometry.page_size, dtype=geometry.dtype)
-            if group not in want:
-                raise ValueError(f"SGLang host pool {name!r}: the model config has no {group!r} group")
-            stage = stage_geometry(host_pool, want[group])
-            geometry = geometry_of(host_pool, layer_ids=stage.layer_ids, kv_cache_dtype=kv_dtype)
-            differ = stage.diff(geometry)
-            if differ:
-                mine, theirs = geometry.to_dict(), stage.to_dict()
-                detail = ", ".join(f"{f} (SGLang {mine[f]!r}, model config {theirs[f]!r})" for f in differ)
-                raise ValueError(f"SGLang host pool {name!r} does not match the model config: {detail}")
-        register_kw = {
-            "namespace": opts.namespace,
-            "model_id": self.model_id + (mla_shard(cfg) if mla else ""),
-            # MLA latents are the same on every TP rank of one CP shard: those read one identity
-            "tp_rank": 0 if mla else cfg.tp_rank,
-            "tp_size": 1 if mla else cfg.tp_size,
-        }
-        fds = getattr(getattr(host_pool, "allocator", None), "fds", None)
-        can_direct = bool(fds) and self.client.target.startswith("unix://")
-        if opts.copy == "direct" and not can_direct:
-            raise ValueError(
-                'copy \'direct\' needs SGLang\'s host pool in shared memory ("allocator": "shm" in the extra config) '
-                f"and a sidecar on a Unix socket; target is {opts.target!r}"
-            )
-        direct = can_direct and opts.copy in ("auto", "direct")
-        how = (
-            "copy path 'sidecar' (it maps SGLang's memfds)"
-            if direct
-            else "copy path 'engine' (this process copies between SGLang's host pool and the sidecar's)"
-        )
+        geometry = pool_geometry(cfg, opts, name, group, host_pool)
+        register_kw = pool_identity(cfg, opts.namespace, self.model_id)
+        direct, how = copy_path(opts, self.client.target, host_pool)
 
         def connect() -> PoolLink:
             link = PoolLink(
@@ -117,7 +91,7 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             )
             if mla and name == "kv":
                 try:
-                    self._check_mla_readers(link)
+                    check_mla_readers(cfg, opts.target, self.client, link, sglang_nodes, self._say)
                 except BaseException:
                     link.close()
                     raise
@@ -161,39 +135,6 @@ class HiCacheSidecarStorage(HiCacheStorage):  # type: ignore[misc]
                 return
             self._linked(name, link, how)
             return
-
-    def _check_mla_readers(self, link: PoolLink) -> None:
-        """SGLang stores MLA pages from its writer ranks only (tp_rank == dcp_rank). On one
-        node every rank registers the same identity with the same sidecar, so the ranks share
-        its host cache and the readers hit the writer's pages in host memory. Across nodes
-        (--nnodes > 1) a rank on another node reads only what reached the storage tier;
-        without one it never hits, and SGLang takes the smallest hit over its TP ranks.
-        Raises ValueError then; warns when the write policy puts pages in storage late."""
-        cfg = self.storage_config
-        if getattr(cfg, "attn_cp_size", 1) > 1:
-            self._say(
-                "mla:attn_cp",
-                f"MLA with attention context parallelism (size {cfg.attn_cp_size}): SGLang stores only rank 0's "
-                "slice of each page, so the other CP ranks miss and prefixes do not hit from storage",
-            )
-        nodes = sglang_nodes()
-        if cfg.tp_size <= getattr(cfg, "dcp_size", 1) or nodes == 1:
-            return  # every rank is a writer, or every reader shares the writer's host cache
-        stats = self.client.stats(pool=link.pool_id)[0]
-        if stats.storage_backend == "none":
-            raise ValueError(
-                f"MLA with tp_size {cfg.tp_size} over {nodes} nodes needs a storage tier on the hicache sidecar at "
-                f"{self.options.target} (SGLang stores only from rank 0; ranks on other nodes read from storage); "
-                "it has storage backend 'none'"
-            )
-        if stats.write_policy not in ("write_through", ""):  # "": a sidecar too old to say
-            self._say(
-                "mla:write_policy",
-                f"MLA with tp_size {cfg.tp_size} over {nodes} nodes: the hicache sidecar at {self.options.target} "
-                f"runs --hicache-write-policy {stats.write_policy}, so pages reach its storage tier late (on "
-                "eviction or reuse) and until then the ranks that read them from storage miss, and no prefix "
-                "hits; start it with --hicache-write-policy write_through",
-            )
 
     # ---- the data path: never raises ---------------------------------------------------------
     def _say(self, what: str, message: str) -> None:
@@ -351,38 +292,3 @@ def down(exc: Exception) -> bool:
     if isinstance(exc, HiCacheRpcError):
         return exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
     return isinstance(exc, OSError)
-
-
-def sglang_nodes() -> int:
-    """SGLang's --nnodes as its server published it; 1 where nothing is published (SGLang's
-    classes used outside its server) or SGLang moved it."""
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        return max(1, int(getattr(get_server_args(), "nnodes", 1) or 1))
-    except Exception:
-        return 1
-
-
-def mla_shard(cfg: HiCacheStorageConfig) -> str:
-    """The model identity's suffix for an MLA rank's slice of each page: under attention or
-    decode context parallelism each CP rank holds a different part of every page, so its
-    pages must not be read by another CP rank ("" without CP)."""
-    out = ""
-    if getattr(cfg, "attn_cp_size", 1) > 1:
-        out += f"|cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}"
-    if getattr(cfg, "dcp_size", 1) > 1:
-        out += f"|dcp{cfg.dcp_rank}of{cfg.dcp_size}|page{cfg.logical_page_size}"
-    return out
-
-
-def sglang_kv_cache_dtype() -> str | None:
-    """SGLang's --kv-cache-dtype as its runtime settings hold it in the scheduler process
-    (sglang.srt.runtime_context); None where they are not published."""
-    try:
-        from sglang.srt.runtime_context import get_model
-
-        value = get_model().kv_cache_dtype
-    except (ImportError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
