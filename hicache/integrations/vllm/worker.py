@@ -2,12 +2,13 @@
 
 Each KV-cache group becomes one sidecar pool whose pages are vLLM's blocks, mapped from
 vLLM's own allocation (its fd goes to the sidecar over the Unix socket), so an Offload or a
-Reload copies straight between vLLM's blocks and the sidecar's host pool. Registration runs
-when vLLM hands over its KV caches, and any error there stops vLLM's start-up. Transfers run
-on three threads (stores, loads, expedited loads) so that submitting never blocks vLLM's
-step, and an expedited load (which vLLM waits for within the step) never queues behind
-regular loads. Under HiCacheConnector (connector.py) a failed load is reported to vLLM's
-scheduler instead of as a failed job, which vLLM's own connector asserts against.
+Reload copies straight between vLLM's blocks and the sidecar's host pool. Registration
+(group_links) runs when vLLM hands over its KV caches, and any error there stops vLLM's
+start-up. Transfers run on three threads (stores, loads, expedited loads) so that
+submitting never blocks vLLM's step, and an expedited load (which vLLM waits for within the
+step) never queues behind regular loads. Under HiCacheConnector (connector.py) a failed
+load is reported to vLLM's scheduler instead of as a failed job, which vLLM's own connector
+asserts against.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -30,11 +30,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicache.api import KeyStatus
-from hicache.client import HiCacheClient, HiCacheRpcError
+from hicache.client import HiCacheClient
 from hicache.geometry import KVGeometry
 from hicache.integrations.vllm import rendezvous
 from hicache.integrations.vllm.batches import BATCH
-from hicache.integrations.vllm.keys import KEY_HASH, GroupMoves, plan_moves
+from hicache.integrations.vllm.group_links import GroupLink, GroupLinks, sidecar_down
+from hicache.integrations.vllm.keys import GroupMoves, plan_moves
 from hicache.integrations.vllm.load_store_spec import HiCacheLoadStoreSpec
 from hicache.integrations.vllm.memory import GroupMemory, group_memory
 from hicache.integrations.vllm.options import Options
@@ -42,22 +43,6 @@ from hicache.integrations.vllm.options import Options
 log = logging.getLogger("hicache.integrations.vllm")
 LOADED = (KeyStatus.LOADED, KeyStatus.LOADED_FROM_STORAGE)
 KEPT = (KeyStatus.STORED, KeyStatus.DEDUPLICATED)
-
-
-class NotLinked(ConnectionError):
-    """A transfer on a group that has no sidecar pool: the sidecar was down when it registered."""
-
-
-@dataclass
-class GroupLink:
-    """One group's sidecar pool."""
-
-    name: str
-    geometry: KVGeometry
-    memory: GroupMemory
-    pool_id: str = ""  # "" while not registered (the sidecar was down)
-    secret: str = field(default="", repr=False)
-    announced: bool = False  # its copy path has been logged
 
 
 class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
@@ -73,9 +58,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self.blocks_per_chunk = config.cache.blocks_per_chunk
         self.client = HiCacheClient(options.target, token=options.token, timeout=options.timeout_s)
         self.links: list[GroupLink] = []
-        self._lock = threading.Lock()
-        self._down = False  # a call failed for want of the sidecar; it was logged once
-        self._stop = threading.Event()
+        self._sidecar = GroupLinks(options, config, self.client, model_id, self.links)
         self._watchdog: threading.Thread | None = None
         try:
             for g, (refs, (geometry, packed, name)) in enumerate(
@@ -83,14 +66,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             ):
                 views = [kv_caches.tensors[r.tensor_idx].tensor for r in refs]
                 self.links.append(GroupLink(name, geometry, group_memory(views, g, packed)))
-            try:
-                for link in self.links:
-                    self._register(link)
-                self._publish()
-            except (HiCacheRpcError, OSError) as exc:
-                if not _sidecar_down(exc):
-                    raise
-                self._went_down(exc, starting=True)
+            self._sidecar.register_all()
         except BaseException:
             self.shutdown()
             raise
@@ -100,138 +76,8 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._jobs: dict[int, Future[tuple[TransferResult, list[int]]]] = {}
         self._reports_failed_loads = False
         self._failed_loads: dict[int, list[int]] = {}  # job id -> GPU blocks it did not load
-        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="hicache-watchdog")
+        self._watchdog = threading.Thread(target=self._sidecar.watch, daemon=True, name="hicache-watchdog")
         self._watchdog.start()
-
-    # ---- registration --------------------------------------------------------------------------
-    def _register(self, link: GroupLink, *, wait: bool = True) -> None:
-        """Register one group's memory: vLLM's file (its fd) or CUDA allocation, which the
-        sidecar maps; or memory it cannot map (vLLM's CPU worker allocates its KV cache
-        privately), registered with the copy path "engine": this worker maps the sidecar's
-        host pool and copies itself. That choice is logged once, as a warning, since vLLM
-        shows only its own loggers' INFO lines. `wait`: wait up to timeout_s for a sidecar
-        that is not up (start-up); else a sidecar that is down fails at once. Raises
-        HiCacheRpcError or OSError."""
-        p, m = self.config.parallel, link.memory
-        common: dict[str, Any] = dict(
-            namespace=self.options.namespace,
-            model_id=self.model_id,
-            group=link.name,
-            key_hash=KEY_HASH,
-            tp_rank=p.rank,
-            tp_size=p.world_size,
-        )
-        if m.private is not None:
-            info = self.client.register_engine_copy(
-                link.geometry, m.num_blocks, m.private, device_layout=m.layout, wait=wait, **common
-            )
-            if not link.announced:  # the first registration, not one after a sidecar restart
-                log.warning(
-                    "hicache: vLLM's KV cache (group %s) is in private memory: this worker copies it (copy path 'engine')",
-                    link.name,
-                )
-        else:
-            (fd_id,) = self.client.send_fds([m.fd]) if m.cuda is None else ("",)
-            info = self.client.register_memory(
-                link.geometry,
-                m.num_blocks,
-                m.handle(fd_id),
-                device_layout=m.layout,
-                cuda_device=m.cuda_device,
-                wait=wait,
-                **common,
-            )
-        link.pool_id, link.secret, link.announced = info.pool_id, info.secret, True
-
-    def _publish(self) -> None:
-        pools = {g: (link.pool_id, link.secret) for g, link in enumerate(self.links)}
-        rendezvous.publish(self.options.meeting_dir, self.config.engine_id, self.config.parallel.rank, pools)
-
-    def _call_pool(self, link: GroupLink, fn: str, keys: list[bytes], blocks: list[int]) -> tuple[KeyStatus, ...]:
-        """client.offload/reload on the link's pool; a pool the sidecar forgot (it restarted)
-        is registered again, published, and the call made once more. Raises HiCacheRpcError,
-        or NotLinked while the link has no pool and the sidecar is still down."""
-        pool_id = link.pool_id
-        if pool_id:
-            try:
-                statuses = getattr(self.client, fn)(keys, blocks, pool=pool_id).statuses
-                self._went_up()
-                return statuses  # type: ignore[no-any-return]
-            except HiCacheRpcError as exc:
-                if not _forgotten(exc):
-                    raise
-        if not self._relink(link, pool_id):
-            raise NotLinked(f"group {link.name} is not registered with the sidecar (it was down)")
-        return getattr(self.client, fn)(keys, blocks, pool=link.pool_id).statuses  # type: ignore[no-any-return]
-
-    def _relink(self, link: GroupLink, stale: str) -> bool:
-        """Register the link again in place of `stale` (its pool id the sidecar forgot, or ""),
-        unless another thread did meanwhile, and publish once every link has a pool. Fails at
-        once (False) while the sidecar is down; other errors raise."""
-        with self._lock:
-            if link.pool_id != stale:
-                return bool(link.pool_id)
-            if stale:
-                self.client.forget(stale)  # or the client would keep its secret and renew its lease
-                link.pool_id = link.secret = ""
-            try:
-                self._register(link, wait=False)
-            except (HiCacheRpcError, OSError) as exc:
-                if not _sidecar_down(exc):
-                    raise
-                self._went_down(exc)
-                return False
-            if all(other.pool_id for other in self.links):
-                self._publish()
-            was = f"lost pool {stale} (restarted?)" if stale else "answers"
-            log.warning("hicache sidecar %s; group %s registered as pool %s", was, link.name, link.pool_id)
-            self._went_up()
-            return True
-
-    def _watch(self) -> None:
-        """Every retry_s: register the links that have no pool (the sidecar was down), or
-        whose pool the sidecar forgot (it restarted), so that lookups find this worker's pools
-        again even when vLLM sends no transfer (its scheduler refuses stores while lookups fail)."""
-        while not self._stop.wait(self.options.retry_s):
-            for link in self.links:
-                pool_id = link.pool_id
-                try:
-                    if pool_id:
-                        self.client.keep_alive(pool_id)
-                        continue
-                except HiCacheRpcError as exc:
-                    if not _forgotten(exc):
-                        if _sidecar_down(exc):
-                            self._went_down(exc)
-                        continue
-                except KeyError:  # another thread is registering it again
-                    continue
-                try:
-                    self._relink(link, pool_id)
-                except Exception as exc:
-                    log.warning("hicache: registering group %s with the sidecar failed: %s", link.name, exc)
-
-    def _went_down(self, exc: Exception, *, starting: bool = False) -> None:
-        """Log the first failure of an outage (one line); later ones only at debug level."""
-        if self._down:
-            log.debug("hicache sidecar still down: %s", exc)
-            return
-        self._down = True
-        if starting:
-            log.warning(
-                "hicache: the sidecar %s does not answer (%s): vLLM serves without it, and this worker registers "
-                "when it answers (asked every %.0f s)",
-                self.options.target,
-                _short(exc),
-                self.options.retry_s,
-            )
-        else:
-            log.warning(
-                "hicache sidecar %s failed (%s): serving without it until it answers", self.options.target, _short(exc)
-            )
-
-    def _went_up(self) -> None:
-        self._down = False
 
     # ---- transfers -----------------------------------------------------------------------------
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -273,7 +119,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 link = self.links[m.group]
                 for i in range(0, len(m.keys), BATCH):
                     keys, blocks = m.keys[i : i + BATCH], m.blocks[i : i + BATCH]
-                    statuses = self._call_pool(link, "offload" if store else "reload", keys, blocks)
+                    statuses = self._sidecar.call_pool(link, "offload" if store else "reload", keys, blocks)
                     bad = [b for b, status in zip(blocks, statuses, strict=True) if status not in wanted]
                     answered[n] = i + len(keys)
                     nbytes += (len(keys) - len(bad)) * link.geometry.page_bytes
@@ -289,8 +135,8 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                         )
         except Exception as exc:
             missed += [b for n, m in enumerate(moves) for b in m.blocks[answered[n] :]]
-            if _sidecar_down(exc):
-                self._went_down(exc)
+            if sidecar_down(exc):
+                self._sidecar.went_down(exc)
             else:
                 log.warning("hicache %s job %d failed: %s", "store" if store else "load", job_id, exc)
         if store:
@@ -326,7 +172,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 future.exception()  # waits; _run never raises
 
     def shutdown(self) -> None:
-        self._stop.set()
+        self._sidecar.stop.set()
         if self._watchdog is not None:
             self._watchdog.join()
         for pool in (getattr(self, name, None) for name in ("_stores", "_loads", "_expedited")):
@@ -338,25 +184,6 @@ class HiCacheOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 os.close(link.memory.fd)
                 link.memory = GroupMemory(-1, link.memory.nbytes, link.memory.num_blocks, link.memory.layout)
         self.client.close()
-
-
-def _sidecar_down(exc: BaseException) -> bool:
-    """Whether `exc` says the sidecar is not there (down, restarting, not started yet), as
-    opposed to refusing this worker (geometry, token, ...)."""
-    if isinstance(exc, HiCacheRpcError):
-        return exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
-    return isinstance(exc, OSError)  # the fd socket (<socket>.fd) is not there
-
-
-def _forgotten(exc: HiCacheRpcError) -> bool:
-    """A call named a pool the sidecar does not know: it restarted, or the lease ran out."""
-    return exc.code.name == "NOT_FOUND" and "pool" in exc.details
-
-
-def _short(exc: Exception) -> str:
-    text = exc.details if isinstance(exc, HiCacheRpcError) else str(exc)
-    name = exc.code.name if isinstance(exc, HiCacheRpcError) else type(exc).__name__
-    return f"{name}: {text.splitlines()[0] if text else ''}"[:200]
 
 
 def _stream_event() -> Any:
