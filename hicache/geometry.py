@@ -12,49 +12,15 @@ from functools import cached_property
 from typing import Any, Literal
 
 from hicache.hf_config import geometry_kwargs, model_groups
+from hicache.kv_dtypes import DTYPES as DTYPES  # the names callers read from here
+from hicache.kv_dtypes import FP4_BLOCK, STORAGE, normalize_dtype
 from hicache.validate import is_int
 
 Attention = Literal["mha", "mla"]
 Side = Literal["k", "v"]
 
-# name -> (bits per element, storage dtype name)
-_DTYPES: dict[str, tuple[int, str]] = {
-    "bfloat16": (16, "bfloat16"),
-    "float16": (16, "float16"),
-    "float32": (32, "float32"),
-    "float8_e4m3fn": (8, "uint8"),
-    "float8_e5m2": (8, "uint8"),
-    "fp4_e2m1": (4, "uint8"),
-}
-_DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float": "float32",
-    "fp8": "float8_e4m3fn",
-    "fp8_e4m3": "float8_e4m3fn",
-    "float8_e4m3": "float8_e4m3fn",
-    "fp8_e5m2": "float8_e5m2",
-    "fp4": "fp4_e2m1",
-}
-DTYPES: tuple[str, ...] = tuple(_DTYPES)
-FP4_BLOCK = 16  # fp4 elements that share one uint8 scale
 MAX_PAGE_BYTES = 1 << 40  # a page larger than 1 TiB is a mistake, not a model
 MAX_LAYERS = 1 << 16  # models have a few hundred; the layer ids are built per layer, so bound them first
-
-
-def normalize_dtype(name: str) -> str:
-    """Map a dtype name or alias ("bf16", "fp8_e4m3", ...) to its canonical name.
-
-    Raises ValueError for an unknown name or one that is not a string.
-    """
-    if not isinstance(name, str):
-        raise ValueError(f"KV dtype must be a string, got {name!r}")
-    canonical = _DTYPE_ALIASES.get(name, name)
-    if canonical not in _DTYPES:
-        raise ValueError(f"unknown KV dtype {name!r}; expected one of {list(_DTYPES)}")
-    return canonical
 
 
 @dataclass(frozen=True)
@@ -163,7 +129,7 @@ class KVGeometry:
 
     def _make_buffers(self) -> tuple[BufferSpec, ...]:
         assert self.head_dim is not None and self.v_head_dim is not None
-        bits, storage = _DTYPES[self.dtype]
+        bits, storage = STORAGE[self.dtype]
         itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}[storage]
         sides: list[tuple[str, Side, int]] = (
             [("kv", "k", self.head_dim)]
