@@ -1,6 +1,6 @@
 """How a failed call is answered: the service's exceptions and the servicer's own refusals
 (Exhausted, Forbidden) mapped to gRPC status codes (abort_for; the table is in
-server.servicer's docstring), and _mapped, which wraps each of the servicer's unary methods
+server.servicer's docstring), and mapped_errors, which wraps each of the servicer's unary methods
 in that mapping and the shutdown drain."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def abort_for(exc: BaseException, context: grpc.ServicerContext) -> NoReturn:
     raise AssertionError("context.abort raises")
 
 
-def _mapped(method: F) -> F:
+def mapped_errors(method: F) -> F:
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:

@@ -24,7 +24,7 @@ from hicache.sidecar.events import Subscription
 from hicache.sidecar.service import HiCacheService
 
 from .drain import Drain
-from .error_mapping import Exhausted, Forbidden, _mapped, abort_for
+from .error_mapping import Exhausted, Forbidden, abort_for, mapped_errors
 from .streams import StreamSlots
 
 
@@ -66,7 +66,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         if not hmac.compare_digest(given.encode(), self.admin_token.encode()):
             raise Forbidden(f"{what}: {'wrong' if given else 'missing'} admin token ({ADMIN_TOKEN})")
 
-    @_mapped
+    @mapped_errors
     def RegisterPool(self, request: pb.RegisterPoolRequest, context: grpc.ServicerContext) -> pb.RegisterPoolResponse:
         if not request.HasField("geometry") or not request.HasField("device_memory"):
             raise ValueError("RegisterPool needs geometry and device_memory")
@@ -106,7 +106,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             layer_event_slots=info.layer_event_slots,
         )
 
-    @_mapped
+    @mapped_errors
     def UnregisterPool(
         self, request: pb.UnregisterPoolRequest, context: grpc.ServicerContext
     ) -> pb.UnregisterPoolResponse:
@@ -114,12 +114,12 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         self.service.unregister(request.request_id, request.pool_id)
         return pb.UnregisterPoolResponse()
 
-    @_mapped
+    @mapped_errors
     def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveResponse:
         self._own(request.pool_id, context)
         return pb.KeepAliveResponse(lease_timeout=_duration(self.service.keep_alive(request.pool_id)))
 
-    @_mapped
+    @mapped_errors
     def Offload(self, request: pb.OffloadRequest, context: grpc.ServicerContext) -> pb.OffloadResponse:
         self._own(request.pool_id, context)
         r = self.service.offload(
@@ -127,7 +127,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         )
         return pb.OffloadResponse(statuses=convert.statuses_to_pb(r.statuses), bytes_copied=r.bytes_copied)
 
-    @_mapped
+    @mapped_errors
     def Reload(self, request: pb.ReloadRequest, context: grpc.ServicerContext) -> pb.ReloadResponse:
         self._own(request.pool_id, context)
         r = self.service.reload(
@@ -149,7 +149,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             event_layers=r.event_layers,
         )
 
-    @_mapped
+    @mapped_errors
     def BeginCopy(self, request: pb.BeginCopyRequest, context: grpc.ServicerContext) -> pb.BeginCopyResponse:
         self._own(request.pool_id, context)
         g = self.service.begin_copy(request.request_id, request.pool_id, list(request.keys), offload=request.offload)
@@ -160,7 +160,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             expires_in=_duration(g.expires_s),
         )
 
-    @_mapped
+    @mapped_errors
     def EndCopy(self, request: pb.EndCopyRequest, context: grpc.ServicerContext) -> pb.EndCopyResponse:
         self._own(request.pool_id, context)
         pages = self.service.end_copy(
@@ -172,7 +172,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         )
         return pb.EndCopyResponse(pages=pages)
 
-    @_mapped
+    @mapped_errors
     def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
         self._own(request.pool_id, context)
         r = self.service.prefetch(request.request_id, request.pool_id, list(request.keys), request.policy)
@@ -180,30 +180,30 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             statuses=convert.statuses_to_pb(r.statuses), op_id=r.op_id, done=r.done, timed_out=r.timed_out
         )
 
-    @_mapped
+    @mapped_errors
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         self._own(request.pool_id, context)
         r = self.service.evict(request.request_id, request.pool_id, list(request.keys), request.num_pages)
         return pb.EvictResponse(statuses=convert.statuses_to_pb(r.statuses), pages_freed=r.pages_freed)
 
-    @_mapped
+    @mapped_errors
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         self._own(request.pool_id, context)
         return convert.lookup_to_pb(self.service.lookup(request.pool_id, list(request.keys)))
 
-    @_mapped
+    @mapped_errors
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
         self._own(request.pool_id, context)
         statuses = self.service.pin(request.request_id, request.pool_id, list(request.keys))
         return pb.PinResponse(statuses=convert.statuses_to_pb(statuses))
 
-    @_mapped
+    @mapped_errors
     def Unpin(self, request: pb.UnpinRequest, context: grpc.ServicerContext) -> pb.UnpinResponse:
         self._own(request.pool_id, context)
         statuses = self.service.unpin(request.request_id, request.pool_id, list(request.keys))
         return pb.UnpinResponse(statuses=convert.statuses_to_pb(statuses))
 
-    @_mapped
+    @mapped_errors
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
         if request.pool_id:
             self._own(request.pool_id, context)

@@ -47,7 +47,7 @@ class ServicePools:
         self.host_growth = HostGrower(self._space_lock, self.cache_snapshots)  # caches reserve in steps
         self.events = EventBus()
         self._release_hooks: list[Callable[[RegisteredPool], None]] = []
-        _sweep()
+        sweep_dead()
 
     def add_release_hook(self, hook: Callable[[RegisteredPool], None]) -> None:
         """Call hook(pool) after each pool is released and closed (its transfers and storage
@@ -143,7 +143,7 @@ def _claim(shared: SharedHostCache) -> Claim:
     return Claim(shared.device_bytes, g.page_bytes, shared.host.num_pages)
 
 
-def _sweep() -> None:
+def sweep_dead() -> None:
     """Remove the shared memory of processes killed before they could (kill -9 of an engine
     or of an earlier sidecar)."""
     gone = sweep_dead_segments()

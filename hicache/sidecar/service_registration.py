@@ -18,7 +18,7 @@ from hicache.memory import MemoryHandle, shm_dir
 from hicache.sidecar.errors import NoSpace, StateError
 from hicache.sidecar.registration import PoolRequest
 from hicache.sidecar.request_cache import fingerprint
-from hicache.sidecar.service_pools import ServicePools, _sweep
+from hicache.sidecar.service_pools import ServicePools, sweep_dead
 from hicache.sidecar.shared_cache import CacheIdentity, SharedHostCache
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class ServiceRegistration(ServicePools):
         """The pool as a member of the live host cache of its identity, or of a new one
         (_build). Under the space lock. Either way, dead processes' segments go first: a
         registration is the sweep's moment, whether or not it makes a host pool."""
-        _sweep()
+        sweep_dead()
         shared = self._live_cache(key)
         if shared is None:
             return self._build(req, parts)

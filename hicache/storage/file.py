@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hicache.storage import page_format as fmt
 from hicache.storage.base import Buffer, Payload, TierIdentity, skip_done
-from hicache.storage.file_index import _unlink
+from hicache.storage.file_index import remove_file
 from hicache.storage.file_reads import FileReads
 from hicache.storage.file_writes import FileWrites
 from hicache.storage.lazy_threads import LazyThreads
@@ -208,7 +208,7 @@ class FileTier(FileReads, FileWrites):
             write_file(tmp, [header, *fmt.payload_parts(data)], self.fsync is True)
             return os.stat(tmp)
         except OSError as e:
-            _unlink(tmp)
+            remove_file(tmp)
             self._failed(e, f"write {tmp}")
             return None
 

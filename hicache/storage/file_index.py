@@ -53,7 +53,7 @@ class FileIndex(StorageTier):
             self._durable_dirs.add(sub)  # its entry was in the root when _make_root fsynced it
             for entry in os.scandir(sub):
                 if entry.name.endswith(TMP_SUFFIX):  # a write that was never acknowledged
-                    _unlink(entry.path)
+                    remove_file(entry.path)
                     continue
                 if not entry.name.endswith(PAGE_SUFFIX):
                     continue
@@ -63,7 +63,7 @@ class FileIndex(StorageTier):
                 except OSError:
                     continue
                 if key is None or not stat.S_ISREG(st.st_mode) or st.st_size != fmt.stored_size(self.identity, key):
-                    _unlink(entry.path)
+                    remove_file(entry.path)
                     self._count(corrupt=1)
                     continue
                 found.append((st.st_mtime_ns, key, st.st_size))
@@ -122,7 +122,7 @@ class FileIndex(StorageTier):
         size = self._index.pop(key, None)
         if size is not None:
             self._total -= size
-        removed = _unlink(path)
+        removed = remove_file(path)
         if removed or size is not None:
             self._changed("removed", [key])  # under the lock: after any STORED of the key
         return removed or size is not None
@@ -140,7 +140,7 @@ class FileIndex(StorageTier):
                 continue
             del self._index[key]
             self._total -= size
-            _unlink(self.path_of(key))
+            remove_file(self.path_of(key))
             self._count(evictions=1)
             evicted.append(key)
         self._changed("removed", evicted)
@@ -183,7 +183,7 @@ def _key_of(folder: str, name: str) -> bytes | None:
     return key if (folder, name) == (h[:2], h + PAGE_SUFFIX) else None
 
 
-def _unlink(path: str | os.PathLike[str]) -> bool:
+def remove_file(path: str | os.PathLike[str]) -> bool:
     """Remove a file; False if it was not there. Other errors are logged, never raised (a
     tier never raises): the file stays on disk, uncounted, until the next start's scan."""
     try:

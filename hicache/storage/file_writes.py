@@ -30,7 +30,7 @@ from pathlib import Path
 
 from hicache.storage import page_format as fmt
 from hicache.storage.base import Payload
-from hicache.storage.file_index import TMP_SUFFIX, FileIndex, _unlink
+from hicache.storage.file_index import TMP_SUFFIX, FileIndex, remove_file
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -65,7 +65,7 @@ class FileWrites(FileIndex):
                 try:
                     os.replace(tmp, final)
                 except OSError as e:
-                    _unlink(tmp)
+                    remove_file(tmp)
                     failures.append((e, tmp))
                     continue
                 dirs.add(final.parent)
