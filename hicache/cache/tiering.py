@@ -20,6 +20,7 @@ from typing import Any
 from hicache.cache.fetch import FetchMixin, unique_keys
 from hicache.cache.index import HostIndex
 from hicache.cache.key_ops import KeyOpsMixin
+from hicache.cache.offload import OffloadMixin
 from hicache.cache.policies import (
     PrefetchPolicy,
     PrefetchTimeout,
@@ -27,16 +28,16 @@ from hicache.cache.policies import (
     check_write_policy,
 )
 from hicache.cache.prefetch import PrefetchHandle
-from hicache.cache.results import LoadResult, PagePool, Reservation, Tier
+from hicache.cache.results import LoadResult, PagePool, Tier
 from hicache.cache.writer import StorageWriter
 from hicache.geometry import KVGeometry
-from hicache.storage.base import Buffer, StorageTier, TierIdentity
+from hicache.storage.base import StorageTier, TierIdentity
 from hicache.storage.null import NullTier
 
 LOAD = "load"  # owner of keys being fetched by load()
 
 
-class HierarchicalCache(KeyOpsMixin, FetchMixin):
+class HierarchicalCache(KeyOpsMixin, OffloadMixin, FetchMixin):
     """Host pages addressed by key, over a storage tier. Thread-safe.
 
     write_policy: "write_through" (every offloaded page is also stored), "write_through_
@@ -104,81 +105,13 @@ class HierarchicalCache(KeyOpsMixin, FetchMixin):
     def geometry(self) -> KVGeometry:
         return self.pool.geometry
 
-    # ---- offload: engine -> host ------------------------------------------------------------
-    def reserve(self, keys: Sequence[bytes], *, partial: bool = False) -> Reservation | None:
-        """Host pages for the keys not yet on host, evicting LRU pages (never these keys) if
-        needed; keys already on host become most recently used. None, with no page taken,
-        when there is no room (pinned/referenced pages fill the pool); with partial=True,
-        the earliest new keys that fit are reserved and the rest listed as refused."""
-        keys = unique_keys(keys)
-        with self._lock:
-            existing = [(k, p) for k in keys if (p := self.index.page_of(k)) is not None]
-            pending = [k for k in keys if k in self._pending]
-            new = [k for k in keys if k not in self.index and k not in self._pending]
-            if not partial and len(new) > self._room_locked(keys):
-                return None
-            pages, backups = self._reserve_locked(keys, new)
-            new, refused = new[: len(pages)], new[len(pages) :]
-            reservation = Reservation(list(zip(new, pages, strict=True)), existing, pending, refused)
-            for k in new:
-                self._pending[k] = reservation.owner
-            writes = self._note_use([k for k, _ in existing])
-        self._submit(writes + self._read_evicted(backups))
-        return reservation
-
-    def commit(self, reservation: Reservation) -> None:
-        """The data of reservation.new is in its pages: make the keys resident and apply the
-        write policy. Raises ValueError if the reservation was already committed or aborted."""
-        with self._lock:
-            self._take_reserved_locked(reservation)
-            for k, page in reversed(reservation.new):
-                self.index.bind(k, page)  # head last: a prefix's head outlives its tail
-            keys = [k for k, _ in reservation.new]
-            if self.write_policy == "write_through":
-                writes = self._queue_locked(keys)
-            else:
-                writes = self._note_use(keys)
-        self._submit(writes)
-
-    def abort(self, reservation: Reservation) -> None:
-        """Give back the pages of a reservation whose copy failed."""
-        with self._lock:
-            self._take_reserved_locked(reservation)
-            self.index.release([p for _, p in reservation.new])
-
-    def _take_reserved_locked(self, reservation: Reservation) -> None:
-        """End the reservation's pending state; ValueError, with nothing changed, if it was
-        already committed or aborted."""
-        for k, _ in reservation.new:
-            if self._pending.get(k) is not reservation.owner:
-                raise ValueError(f"key {k.hex()} is not reserved for an offload")
-        for k, _ in reservation.new:
-            del self._pending[k]
-
+    # ---- queries and reload: host -> engine -------------------------------------------------
     def with_host_keys(self, fn: Callable[[list[bytes]], None]) -> None:
         """Call fn(every resident key) under the cache lock: no index change runs meanwhile
         (a KV-event snapshot that agrees with the events published before and after it)."""
         with self._lock:
             fn(self.index.keys())
 
-    def put(self, keys: Sequence[bytes], pages_data: Sequence[Buffer]) -> bool:
-        """reserve + write_page + commit, for callers that hold page bytes. False if no room."""
-        if len(keys) != len(pages_data):
-            raise ValueError(f"{len(keys)} keys but {len(pages_data)} pages of data")
-        res = self.reserve(keys)
-        if res is None:
-            return False
-        data = dict(zip(keys, pages_data, strict=True))
-        try:
-            for k, page in res.new:
-                self.pool.write_page(page, data[k])
-        except BaseException:
-            self.abort(res)
-            raise
-        self.commit(res)
-        return True
-
-    # ---- queries and reload: host -> engine -------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[Tier]:
         """For each key, where it is: "host", "storage" or "none". Changes nothing."""
         keys = list(keys)
