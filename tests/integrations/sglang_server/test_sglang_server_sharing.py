@@ -47,8 +47,12 @@ def sidecar() -> Iterator[Sidecar]:
 
 @pytest.fixture(scope="module")
 def server(sidecar: Sidecar) -> Iterator[SglangServer]:
+    # SGLang skips a request's storage prefetch while the prefetches in flight hold half its
+    # host pool (cache_controller.prefetch_rate_limited): with the default 2x host pool (512
+    # tokens) two of the 8 concurrent requests fill that, and whether one of them asks for the
+    # prefix hicache holds was luck. 16x (4096 tokens) leaves room for all 8.
     engine = start_sglang_server(
-        sidecar.model, Path(sidecar.sockdir) / "server.log", extra=hicache_args(sidecar.target)
+        sidecar.model, Path(sidecar.sockdir) / "server.log", extra=hicache_args(sidecar.target), host_ratio=16.0
     )
     yield engine
     engine.stop()
