@@ -34,8 +34,6 @@ from hicache.geometry import KVGeometry
 from hicache.storage.base import StorageTier, TierIdentity
 from hicache.storage.null import NullTier
 
-LOAD = "load"  # owner of keys being fetched by load()
-
 
 class HierarchicalCache(KeyOpsMixin, OffloadMixin, FetchMixin):
     """Host pages addressed by key, over a storage tier. Thread-safe.
