@@ -36,11 +36,10 @@ for p in (ROOT, ROOT / "tests", ROOT / "tests" / "integrations" / "sglang_backen
 
 import sglang_env  # noqa: E402
 import torch  # noqa: E402
+import torchvision_standin  # noqa: E402  (tests/integrations/sglang_backend)
 from sidecar_util import start_sidecar  # noqa: E402
 
-from hicache.integrations.sglang import cpu_stand_ins  # noqa: E402
-
-cpu_stand_ins.install()
+torchvision_standin.install()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

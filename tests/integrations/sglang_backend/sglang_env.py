@@ -23,9 +23,9 @@ def require_sglang() -> None:
         if "sglang" in os.environ.get("HICACHE_REQUIRE_ENGINES", ""):
             raise
         pytest.skip(NEEDED, allow_module_level=True)
-    from hicache.integrations.sglang import cpu_stand_ins
+    import torchvision_standin
 
-    cpu_stand_ins.install()
+    torchvision_standin.install()
 
 
 def model_dir(tmp: Path, name: str) -> str:

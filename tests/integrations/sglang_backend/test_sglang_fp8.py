@@ -74,8 +74,10 @@ def test_sglangs_published_setting_is_read(tmp_path: Path) -> None:
     assert sglang_kv_cache_dtype() is None  # nothing published in this process
     # SGLang's own ServerArgs, published as its scheduler does; in a child, as it stays published
     script = f"""
-        from hicache.integrations.sglang import cpu_stand_ins
-        cpu_stand_ins.install()
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torchvision_standin
+        torchvision_standin.install()
         from sglang.srt import runtime_context
         from sglang.srt.server_args import ServerArgs
         from hicache.integrations.sglang.backend import sglang_kv_cache_dtype

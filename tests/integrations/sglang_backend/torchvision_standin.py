@@ -1,9 +1,11 @@
-"""An inert `torchvision` for CPU-only environments that import SGLang's KV-cache modules.
+"""Test support: an inert `torchvision` (it stands in for the torchvision package) for CPU-only
+environments that import SGLang's KV-cache modules.
 
 SGLang's config modules import torchvision at module level but its KV-cache code never calls
-it, and PyPI's torchvision replaces a CPU torch with a CUDA build. Call install() after
-`import sglang` (transformers must already have found torchvision absent) and before
-importing `sglang.srt.mem_cache.pool_host`. A real torchvision, when present, is left alone.
+it, and PyPI's torchvision replaces a CPU torch with a CUDA build. install() imports sglang
+first (transformers must find torchvision absent before the stand-in exists); call it
+before importing `sglang.srt.mem_cache.pool_host`. A real torchvision, when present, is
+left alone.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import types
 
 
 def install() -> None:
+    import sglang  # noqa: F401  (see the module's docstring)
+
     if "torchvision" in sys.modules:
         return
     try:
