@@ -48,6 +48,17 @@ def sidecar(sockdir: str, model: str, *extra: str) -> tuple[Any, str]:
     return start_sidecar(sockdir, *extra, config=FIXTURES / f"{model}.json", page_size=16)
 
 
+def mla_ranks(tmp_path: Path, target: str, layout: str, allocator: str) -> tuple[list[Any], list[Any]]:
+    """DeepSeek-V3's host pools of TP ranks 0 and 1, and an SGLang backend over each."""
+    name = model_dir(tmp_path, "deepseek_v3")
+    pools = [mla_host_pool(61, layout=layout, allocator=allocator) for _ in (0, 1)]
+    backends = [
+        create(storage_config(name, target, layout=layout, tp=(r, 2), mla=True, allocator=allocator), pools[r])
+        for r in (0, 1)
+    ]
+    return pools, backends
+
+
 def test_two_tp_ranks_never_share_a_page(tmp_path: Path, sockdir: str) -> None:
     proc, target = sidecar(sockdir, "llama_3_1_8b", "--tp-size", "2")
     try:
@@ -83,12 +94,7 @@ def test_two_tp_ranks_never_share_a_page(tmp_path: Path, sockdir: str) -> None:
 def test_mla_writer_writes_and_every_rank_reads(tmp_path: Path, sockdir: str, layout: str, allocator: str) -> None:
     proc, target = sidecar(sockdir, "deepseek_v3", "--tp-size", "2")
     try:
-        name = model_dir(tmp_path, "deepseek_v3")
-        pools = [mla_host_pool(61, layout=layout, allocator=allocator) for _ in (0, 1)]
-        backends = [
-            create(storage_config(name, target, layout=layout, tp=(r, 2), mla=True, allocator=allocator), pools[r])
-            for r in (0, 1)
-        ]
+        pools, backends = mla_ranks(tmp_path, target, layout, allocator)
         assert all(b.links["kv"].direct == (allocator == "shm") for b in backends)
         assert [b.storage_config.is_storage_writer for b in backends] == [True, False]
         keys = keys_for(list(range(3 * 16)))
@@ -161,12 +167,7 @@ def test_mla_reader_ranks_hit_the_writers_pages_in_host_memory_without_a_storage
     cache, so rank 1 reads what rank 0 (SGLang's only MLA writer) stored, with no storage tier."""
     proc, target = sidecar(sockdir, "deepseek_v3", "--tp-size", "2", "--hicache-storage-backend", "none")
     try:
-        name = model_dir(tmp_path, "deepseek_v3")
-        pools = [mla_host_pool(61, layout=layout, allocator=allocator) for _ in (0, 1)]
-        backends = [
-            create(storage_config(name, target, layout=layout, tp=(r, 2), mla=True, allocator=allocator), pools[r])
-            for r in (0, 1)
-        ]
+        pools, backends = mla_ranks(tmp_path, target, layout, allocator)
         stats = [b.client.stats(pool=b.links["kv"].pool_id)[0] for b in backends]
         assert stats[0].cache_id == stats[1].cache_id and stats[0].cache_members == 2
         keys = keys_for(list(range(3 * 16)))
