@@ -10,8 +10,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from concurrent import futures
 from types import FrameType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -20,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from hicache.memory import fd_socket_path, serve_fds
 from hicache.rpc.generated import hicache_pb2 as pb
 from hicache.sidecar.service import HiCacheService
-from hicache.storage.factory import default_file_dir, file_dir_problem
+from hicache.storage.factory import backend_reachable, default_file_dir, file_dir_problem
 
 from .auth import TokenInterceptor
 from .config import ServerConfig, build_parser, host_budget_problem, parse_args, requested_log_format
@@ -120,6 +122,19 @@ def create_server(config: ServerConfig, service: HiCacheService | None = None) -
     return hs, address
 
 
+def storage_problem(backend: str, extra: Mapping[str, Any]) -> tuple[str, str]:
+    """What about the storage tier stops start-up (unless it is optional), and where to fix
+    it: a file tier's folder that cannot hold pages, a Mooncake master that does not answer
+    (Mooncake's own set-up would wait about 90 s for it). ("", "") when nothing does."""
+    if backend == "file":
+        problem = file_dir_problem(extra.get("dir") or default_file_dir())
+        return problem, "the folder is --hicache-storage-backend-extra-config's dir"
+    if backend == "mooncake":
+        reachable, why = backend_reachable(backend, extra)
+        return ("", "") if reachable else (why, "master_server_address in --hicache-storage-backend-extra-config")
+    return "", ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """`hicache-server` / `python -m server`: run until SIGTERM or SIGINT, then shut down gracefully."""
     try:
@@ -137,21 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     if budget_problem:
         announce(config.log_format, f"error: {budget_problem}", sys.stderr, level="ERROR")
         return 2
+    problem, where = storage_problem(h.storage_backend, h.storage_extra)
+    if problem and not config.storage_optional:
+        announce(
+            config.log_format,
+            f"error: {problem} ({where}; --hicache-storage-optional serves from host memory without it)",
+            sys.stderr,
+            level="ERROR",
+        )
+        return 2
+    if problem:
+        log.warning(
+            "%s: the %s tier is down, serving from host memory (--hicache-storage-optional)", problem, h.storage_backend
+        )
     if h.storage_backend == "file":
-        cap = h.extra_config.get("max_bytes")
-        folder = h.extra_config.get("dir") or default_file_dir()
-        problem = file_dir_problem(folder)
-        if problem and not config.storage_optional:
-            announce(
-                config.log_format,
-                f"error: {problem} (the folder is --hicache-storage-backend-extra-config's dir; "
-                "--hicache-storage-optional serves from host memory without it)",
-                sys.stderr,
-                level="ERROR",
-            )
-            return 2
-        if problem:
-            log.warning("%s: the file tier is down, serving from host memory (--hicache-storage-optional)", problem)
+        cap, folder = h.extra_config.get("max_bytes"), h.extra_config.get("dir") or default_file_dir()
         log.info("file tier under %s: at most %s bytes of pages per model (max_bytes in the extra config)", folder, cap)
     stray = unknown_variables(build_parser(), os.environ)
     if stray:

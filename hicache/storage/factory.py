@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import shutil
@@ -13,17 +14,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hicache.storage.base import StorageTier, TierIdentity
+from hicache.storage.mooncake_options import MooncakeOptions, master_problem
 
 if TYPE_CHECKING:
     from hicache.storage.file import FileTier
 
-BACKENDS = ("file", "redis", "redis-cluster", "none")
+BACKENDS = ("file", "redis", "redis-cluster", "mooncake", "none")
 _REDIS_OPTIONS = ("url", "timeout_s", "ttl_s", "backoff_initial_s", "backoff_max_s")
 # extra-config keys each backend accepts
 BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {
     "file": ("dir", "max_bytes", "fsync", "read_threads"),
     "redis": (*_REDIS_OPTIONS, "cluster"),
     "redis-cluster": _REDIS_OPTIONS,  # = "redis" with "cluster": true
+    "mooncake": tuple(f.name for f in dataclasses.fields(MooncakeOptions)),
     "none": (),
 }
 
@@ -91,6 +94,8 @@ def check_extra(backend: str, extra: Mapping[str, Any], also: tuple[str, ...] = 
         forms = "redis://host:port, or a list of them" if backend == "redis-cluster" else "redis://... or unix://..."
         raise ValueError(f'storage backend "{backend}" needs "url" in its extra config ({forms})')
     backend, extra = resolved(backend, extra)
+    if backend == "mooncake":
+        MooncakeOptions.from_extra(extra)
     if backend == "file":
         from hicache.storage import file
 
@@ -118,14 +123,15 @@ _FILE_TIERS_LOCK = threading.Lock()
 
 
 def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) -> StorageTier:
-    """A tier of `backend` ("file", "redis" or "none") for `identity`; a file tier for a
+    """A tier of `backend` ("file", "redis", "mooncake" or "none") for `identity`; a file tier for a
     folder and identity that is already open in this process is shared, not opened twice
     (each caller closes it once; the last close releases it).
 
     extra for file: {"dir": PATH, "max_bytes": N, "fsync": true | false | "batch", "read_threads": N};
     for redis: {"url": ...,
     "cluster": bool, "timeout_s": ..., "ttl_s": ..., "backoff_initial_s": ...,
-    "backoff_max_s": ...} (redis-cluster: the same without "cluster").
+    "backoff_max_s": ...} (redis-cluster: the same without "cluster"); for mooncake:
+    MooncakeOptions' fields, "master_server_address" required.
     Raises ValueError naming a bad backend, key or value.
     """
     check_extra(backend, extra)
@@ -148,6 +154,10 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
 
         opts = {k: v for k, v in extra.items() if k != "url"}
         return RedisTier(identity, extra["url"], **opts)
+    if backend == "mooncake":
+        from hicache.storage.mooncake import MooncakeTier
+
+        return MooncakeTier(identity, MooncakeOptions.from_extra(extra))
     from hicache.storage.null import NullTier
 
     return NullTier(identity)
@@ -165,6 +175,12 @@ def backend_reachable(backend: str, extra: Mapping[str, Any]) -> tuple[bool, str
             return False, why
         mismatch = kind_mismatch(extra, answered)
         return (False, mismatch) if mismatch else (True, "")
+    if backend == "mooncake":
+        try:
+            problem = master_problem(MooncakeOptions.from_extra(extra))
+        except ValueError as exc:
+            problem = str(exc)
+        return (False, problem) if problem else (True, "")
     if backend == "file":
         probe = _existing_ancestor(extra.get("dir") or default_file_dir())
         if not probe.is_dir() or not os.access(probe, os.W_OK):

@@ -1,0 +1,253 @@
+"""The Mooncake Store tier: pages in the Mooncake cluster a deployment already runs, shared by
+every sidecar (and engine) on it.
+
+Each page is one object, "hicache:<identity qualifier>:<key hex>", holding page_format's
+header + key + payload, so a page of another geometry, model or namespace, or a damaged
+one, is a miss (and removed). Over TCP pages move zero-copy: writes send the header and the
+caller's payload pieces (a host page's chunks) as they are (batch_put_from_multi_buffers),
+reads land the header in a small buffer and the payload straight in the host page's pieces
+(batch_get_into_multi_buffers), verified there. Over RDMA, where Mooncake can only move
+registered memory, pages pass through a registered staging buffer (one copy each way).
+
+Mooncake keeps an existing object on a put, so a damaged page stays until a read removes
+it; a read leases the object, so removal is forced. When the master is gone, calls fail at
+once for a backoff (mooncake_link); reads are misses, writes refused, health says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache.storage import page_format as fmt
+from hicache.storage.base import Payload, StorageTier, TierHealth, TierIdentity, TierStats, check_pieces
+from hicache.storage.mooncake_link import (
+    INVALID_PARAMS,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_NOT_FOUND,
+    TRANSFER_FAIL,
+    address,
+    open_link,
+    release,
+)
+from hicache.storage.mooncake_options import MooncakeOptions
+
+PiecesOf = Callable[[int], Sequence[memoryview]]
+
+
+class MooncakeTier(StorageTier):
+    """Pages of `identity` in the Mooncake Store cluster of `options` (a MooncakeOptions or
+    an extra-config dict). Needs the mooncake package (ImportError otherwise). Raises
+    ValueError for a bad option. Connects now when the master answers; an unreachable one
+    makes the tier unhealthy (connecting later), not the constructor fail."""
+
+    backend = "mooncake"
+    forgets_on_its_own = True  # Mooncake evicts under pressure; a restarted master forgets all
+
+    def __init__(
+        self,
+        identity: TierIdentity,
+        options: MooncakeOptions | Mapping[str, Any],
+        *,
+        max_batch_bytes: int = 64 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        super().__init__(identity)
+        self.options = options if isinstance(options, MooncakeOptions) else MooncakeOptions.from_extra(options)
+        self._link = open_link(self.options, clock)
+        self.prefix = f"hicache:{identity.qualifier}:"
+        self.direct = self.options.protocol == "tcp"  # else staged: see the module's docstring
+        self._per_batch = max(1, max_batch_bytes // fmt.stored_size(identity, b"k" * 32))
+        self._closed = False
+
+    def name(self, key: bytes) -> str:
+        """The Mooncake key of page key `key`."""
+        fmt.check_key(key)
+        return self.prefix + key.hex()
+
+    def health(self) -> TierHealth:
+        if self._closed:
+            return TierHealth(False, f"mooncake tier {self.options.master_server_address}: closed")
+        return self._link.health()
+
+    def _fill_stats(self, snap: TierStats) -> None:
+        snap.nodes_down = [self.options.master_server_address] if not snap.healthy else []
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            release(self._link)
+
+    def _run(self, call: Callable[[Any], Any], n: int, what: str) -> list[int] | None:
+        """A batch call's codes, or None (counted as an error) while the cluster is down."""
+        if self._closed:
+            raise ValueError("the mooncake tier is closed")
+        codes = self._link.run(call)
+        if codes is None or self._link.is_down():
+            self._error(f"{n} {what}: {self._link.why}")
+            return None
+        return list(codes)
+
+    # ---- reads --------------------------------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        return self.batch_contains([key])[0]
+
+    def batch_contains(self, keys: Sequence[bytes]) -> list[bool]:
+        names = [self.name(k) for k in keys]
+        if not names:
+            return []
+        codes = self._run(lambda store: store.batch_is_exist(names), len(names), "lookups")
+        return [False] * len(names) if codes is None else [code == 1 for code in codes]
+
+    def get(self, key: bytes) -> memoryview | None:
+        return self.batch_get([key])[0]
+
+    def batch_get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        pages = [memoryview(bytearray(self.identity.page_bytes)) for _ in keys]
+        found = self._read(keys, lambda i: [pages[i]])
+        return [page if ok else None for page, ok in zip(pages, found, strict=True)]
+
+    def batch_read_into(self, keys: Sequence[bytes], pieces_of: PiecesOf) -> int:
+        """The longest stored prefix of `keys`, each page landing in pieces_of(i) (zero-copy
+        over TCP). Pages after the first miss may have been written too."""
+        n = 0
+        for ok in self._read(keys, pieces_of):
+            if not ok:
+                break
+            n += 1
+        return n
+
+    def _read(self, keys: Sequence[bytes], pieces_of: PiecesOf) -> list[bool]:
+        """Read every key into its pieces; whether each arrived whole and verified."""
+        found: list[bool] = []
+        for start in range(0, len(keys), self._per_batch):
+            chunk = keys[start : start + self._per_batch]
+            found.extend(self._read_chunk(chunk, functools.partial(_shifted, pieces_of, start)))
+        return found
+
+    def _read_chunk(self, keys: Sequence[bytes], pieces_of: PiecesOf) -> list[bool]:
+        names = [self.name(k) for k in keys]
+        pieces = [check_pieces(pieces_of(i), self.identity.page_bytes) for i in range(len(keys))]
+        sizes = [fmt.stored_size(self.identity, k) for k in keys]
+        heads = [fmt.HEADER_BYTES + len(k) for k in keys]
+        buffer = np.empty(sum(heads if self.direct else sizes), dtype=np.uint8)
+        if not self.direct:
+            buffer = self._link.staging(buffer.nbytes)
+        slots, at, whole = [], 0, buffer.data
+        for size in heads if self.direct else sizes:
+            slots.append(whole[at : at + size])
+            at += size
+        if self.direct:
+            ptrs = [[address(h), *map(address, p)] for h, p in zip(slots, pieces, strict=True)]
+            lens = [[h.nbytes, *(v.nbytes for v in p)] for h, p in zip(slots, pieces, strict=True)]
+            codes = self._run(lambda store: store.batch_get_into_multi_buffers(names, ptrs, lens), len(keys), "reads")
+        else:
+            codes = self._run(
+                lambda store: store.batch_get_into(names, [address(s) for s in slots], sizes), len(keys), "reads"
+            )
+        if codes is None:
+            self._count(misses=len(keys))
+            return [False] * len(keys)
+        return [self._verify(*row) for row in zip(keys, names, codes, sizes, slots, pieces, strict=True)]
+
+    def _verify(
+        self, key: bytes, name: str, code: int, size: int, slot: memoryview, pieces: Sequence[memoryview]
+    ) -> bool:
+        """Whether a read that answered `code` delivered a page of ours into `pieces`; a
+        wrong or damaged one is removed and counted, and is a miss."""
+        if code == size:
+            try:
+                if self.direct:
+                    fmt.verify_page(self.identity, key, slot, pieces)
+                else:
+                    payload = fmt.decode_page(self.identity, key, slot)
+                    at = 0
+                    for piece in pieces:
+                        piece[:] = payload[at : at + piece.nbytes]
+                        at += piece.nbytes
+            except fmt.PageError as e:
+                if e.reason == "unreadable":  # valid for sidecars with the algorithm: leave it
+                    self._error(str(e))
+                    self._count(misses=1)
+                else:
+                    self._count(misses=1, **{e.reason: 1})
+                    self._remove(key, name)
+                return False
+            self._count(hits=1, bytes_read=self.identity.page_bytes)
+            return True
+        self._count(misses=1)
+        if code in (INVALID_PARAMS, TRANSFER_FAIL) or code >= 0:  # maybe an object of another size
+            stored = self._link.run(lambda store: store.get_size(name))
+            if stored is not None and stored >= 0 and stored != size:
+                self._count(corrupt=1)
+                self._remove(key, name)
+                return False
+        if code != OBJECT_NOT_FOUND:
+            self._error(f"mooncake read of {name}: code {code}")
+        return False
+
+    # ---- writes -------------------------------------------------------------------------------
+    def set(self, key: bytes, data: Payload) -> bool:
+        return self.batch_set([(key, data)])[0]
+
+    def batch_set(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
+        # every page is checked (and its header made) before any is sent
+        heads = [fmt.encode_header(self.identity, key, data) for key, data in items]
+        ok: list[bool] = []
+        for start in range(0, len(items), self._per_batch):
+            chunk, chunk_heads = items[start : start + self._per_batch], heads[start : start + self._per_batch]
+            ok.extend(self._write_chunk(chunk, chunk_heads))
+        n_ok = sum(ok)
+        self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes, write_failures=len(ok) - n_ok)
+        return ok
+
+    def _write_chunk(self, items: Sequence[tuple[bytes, Payload]], heads: list[bytes]) -> list[bool]:
+        names = [self.name(key) for key, _ in items]
+        parts = [[memoryview(h), *fmt.payload_parts(data)] for h, (_, data) in zip(heads, items, strict=True)]
+        if self.direct:
+            ptrs = [[address(v) for v in page] for page in parts]
+            lens = [[v.nbytes for v in page] for page in parts]
+            codes = self._run(lambda store: store.batch_put_from_multi_buffers(names, ptrs, lens), len(items), "writes")
+        else:
+            sizes = [sum(v.nbytes for v in page) for page in parts]
+            arena = self._link.staging(sum(sizes)).data
+            starts, at = [], 0
+            for page in parts:
+                starts.append(at)
+                for v in page:
+                    arena[at : at + v.nbytes] = v
+                    at += v.nbytes
+            base = address(arena)
+            codes = self._run(
+                lambda store: store.batch_put_from(names, [base + s for s in starts], sizes), len(items), "writes"
+            )
+        if codes is None:
+            return [False] * len(items)
+        full = [code == NO_AVAILABLE_HANDLE for code in codes]
+        self._count(no_space=sum(full))
+        failed = [code for code in codes if code not in (0, NO_AVAILABLE_HANDLE)]
+        if failed:
+            self._error(f"mooncake: {len(failed)} of {len(codes)} writes failed (code {failed[0]})")
+        done = [code == 0 for code in codes]
+        self._changed("stored", [key for (key, _), good in zip(items, done, strict=True) if good])
+        return done
+
+    def delete(self, key: bytes) -> bool:
+        return self._remove(key, self.name(key))
+
+    def _remove(self, key: bytes, name: str) -> bool:
+        """Remove one object, even while a reader holds its lease."""
+        code = self._link.run(lambda store: store.remove(name, True))
+        if code == 0:
+            self._count(deletes=1)
+            self._changed("removed", [key])
+            return True
+        return False
+
+
+def _shifted(pieces_of: PiecesOf, start: int, i: int) -> Sequence[memoryview]:
+    return pieces_of(start + i)
