@@ -21,9 +21,13 @@ native = Extension(
 # optional too: without it, python-xxhash computes the same value holding the GIL.
 xxh3 = Extension("hicache.storage._xxh3", ["hicache/storage/_xxh3.c"], extra_compile_args=["-O3"], optional=True)
 
+# The size of an open file without letting go of the GIL (hicache/memory/buffer.py: the damage
+# check before every copy); optional: without it, os.fstat, which lets go of the GIL.
+fdsize = Extension("hicache.memory._fdsize", ["hicache/memory/_fdsize.c"], extra_compile_args=["-O2"], optional=True)
+
 setup(
     packages=[*find_packages(include=["hicache", "hicache.*"]), "hicache_server"],
     package_dir={"hicache_server": "server"},
     package_data={"hicache": ["py.typed"], "hicache.data": ["*.json"]},
-    ext_modules=[native, xxh3],
+    ext_modules=[native, xxh3, fdsize],
 )

@@ -15,6 +15,18 @@ from hicache.validate import is_int
 if TYPE_CHECKING:
     import torch  # imported where a buffer is made: a sidecar starts without torch
 
+try:  # fstat keeping the GIL; os.fstat lets go of it (built by setup.py where a C compiler exists)
+    from hicache.memory import _fdsize
+
+    fd_size = _fdsize.fd_size
+    FD_SIZE_KEEPS_GIL = True
+except ImportError:
+    FD_SIZE_KEEPS_GIL = False
+
+    def fd_size(fd: int, /) -> int:
+        return os.fstat(fd).st_size
+
+
 ShmKind = Literal["shm", "cuda_ipc", "local", "fd", "engine"]  # engine: not shared, the engine copies
 
 
@@ -131,11 +143,12 @@ def span_buffer(segments: Sequence[torch.Tensor]) -> SpanBuffer:
 
 def shrunk(fds: list[int], sizes: list[int], what: str) -> Callable[[], str | None]:
     """A damage check for files mapped from `fds` (kept open by the caller): the first one
-    now smaller than the size that was mapped."""
+    now smaller than the size that was mapped. It runs before every copy, so it keeps the GIL
+    (fd_size): a check that let go of it would wait to take it back beside a busy thread."""
 
     def check() -> str | None:
         for fd, size in zip(fds, sizes, strict=True):
-            now = os.fstat(fd).st_size
+            now = fd_size(fd)
             if now < size:
                 return f"{what} shrank from {size} to {now} bytes under the sidecar"
         return None

@@ -4,6 +4,8 @@ progress events, and the per-key answer of a prefetch."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +41,15 @@ class Operation:
 
     def layer_done(self, layer: int, layers_done: int) -> None:
         self._publish(OpEvent("layer_done", layer, layers_done, self.layer_num))
+
+    def all_layers_done(self) -> None:
+        """Every layer's LAYER_DONE at once, under one lock and one wake-up (a copy that did
+        not go layer by layer: Watch still carries every layer)."""
+        n = self.layer_num
+        with self._cond:
+            assert not self._finished, f"operation {self.op_id} already finished"
+            self._events.extend(OpEvent("layer_done", layer, layer + 1, n) for layer in range(n))
+            self._cond.notify_all()
 
     def done(self) -> None:
         self._publish(OpEvent("done", 0, self.layer_num, self.layer_num))
@@ -92,8 +103,7 @@ def copy_layers(
             handle.wait()
             return handle.nbytes
         nbytes = engine.reload(host_pages, dev_pages)
-        for layer in range(op.layer_num):
-            op.layer_done(layer, layer + 1)
+        op.all_layers_done()
         return nbytes
     except Exception as exc:
         if handle is not None:  # a copy still running would publish over FAILED (and the caller
@@ -123,6 +133,16 @@ class OperationTable:
     def __init__(self, keep_finished: int):
         self.keep_finished = keep_finished
         self._ops: OrderedDict[str, Operation] = OrderedDict()
+        # ids: a random prefix per table and a count, not secrets.token_hex per operation:
+        # os.urandom lets go of the GIL, and a reload would wait to take it back beside a busy
+        # thread. Unique within the pool (and, by the prefix, across its registrations); an
+        # id grants nothing, since every call on the pool needs its secret.
+        self._prefix = "op-" + secrets.token_hex(4)
+        self._count = itertools.count()
+
+    def new_id(self) -> str:
+        """A fresh operation id ("op-" and 16 hex digits)."""
+        return f"{self._prefix}{next(self._count):08x}"
 
     def add(self, op: Operation) -> None:
         self._ops[op.op_id] = op

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +47,7 @@ class PoolReloads(PoolState):
     def _reload(self, ks: list[bytes], pages: list[int], layerwise: bool) -> TransferResult:
         self._copier.check_device_pages(pages)  # before load() fetches or evicts anything
         loaded = self.cache.load(ks)
-        op = Operation("op-" + secrets.token_hex(8), self.geometry.layer_num)
+        op = Operation(self._ops.new_id(), self.geometry.layer_num)
         with self.lock:
             self._ops.add(op)
         n = len(loaded.keys)

@@ -1,0 +1,3 @@
+# Stub for the C extension built from _fdsize.c (optional: hicache.memory.buffer falls back to os.fstat).
+
+def fd_size(fd: int, /) -> int: ...
