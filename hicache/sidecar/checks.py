@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hicache.transfer.plan import as_pages
+from hicache.transfer.plan import as_pages, small_int_pages
 
 
 def check_keys(
@@ -33,4 +33,6 @@ def check_pages(device_pages: Sequence[int], n: int, num_pages: int) -> list[int
     """Raises ValueError unless there are n pages, each in [0, num_pages) and unique."""
     if len(device_pages) != n:
         raise ValueError(f"got {n} keys but {len(device_pages)} device_pages")
-    return [int(p) for p in as_pages("device_pages", list(device_pages), num_pages)]
+    pages = list(device_pages)
+    small = small_int_pages("device_pages", pages, num_pages)  # a call's few pages: no numpy
+    return small if small is not None else [int(p) for p in as_pages("device_pages", pages, num_pages)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -21,16 +21,23 @@ MAX_REQUEST_ID = 128
 
 
 def fingerprint(*parts: Any) -> str:
-    """A digest of a call's arguments, to tell a true retry from a reused id."""
+    """A digest of a call's arguments, to tell a true retry from a reused id. One hash over
+    a tagged encoding (a prefix code, so two argument lists never encode alike)."""
     h = hashlib.sha256()
+    _feed(h, parts)
+    return h.hexdigest()
+
+
+def _feed(h: Any, parts: Sequence[Any]) -> None:
     for part in parts:
         if isinstance(part, bytes):
-            h.update(len(part).to_bytes(4, "little") + part)
+            h.update(b"b" + len(part).to_bytes(4, "little") + part)
         elif isinstance(part, list | tuple):
-            h.update(b"[" + fingerprint(*part).encode() + b"]")
+            h.update(b"[")
+            _feed(h, part)
+            h.update(b"]")
         else:
-            h.update(repr(part).encode() + b"\x00")
-    return h.hexdigest()
+            h.update(b"r" + repr(part).encode() + b"\x00")
 
 
 class _Slot:

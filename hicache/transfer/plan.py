@@ -16,8 +16,23 @@ SMALL_LIST = 64  # page lists up to this long are checked in plain Python
 _INT64 = np.dtype(np.int64)
 
 
+def small_int_pages(name: str, pages: PageList, limit: int) -> list[int] | None:
+    """`pages` as a list when it is a list or tuple of at most SMALL_LIST plain ints, checked
+    (each in [0, limit), unique; ValueError) in Python, as a sidecar call's pages come: no
+    numpy conversion and type checks. None for anything else (as_pages checks it)."""
+    if type(pages) not in (list, tuple) or not 0 < len(pages) <= SMALL_LIST:
+        return None
+    values = list(pages)
+    if not all(type(v) is int for v in values):
+        return None
+    _check_small(name, values, limit)
+    return values
+
+
 def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
     """`pages` as a contiguous 1-D int64 array, each in [0, limit) and unique. Raises ValueError."""
+    if (values := small_int_pages(name, pages, limit)) is not None:
+        return np.array(values, dtype=np.int64)
     if (
         type(pages) is np.ndarray
         and pages.dtype == _INT64
@@ -44,13 +59,7 @@ def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
             _check_below(name, arr, limit)
         arr = np.ascontiguousarray(arr, dtype=np.int64)
     if arr.size <= SMALL_LIST:  # a few pages: plain Python is faster than numpy's sort
-        values = arr.tolist()
-        if min(values) < 0 or max(values) >= limit:
-            raise _out_of_range(name, next(v for v in values if not 0 <= v < limit), limit)
-        if len(set(values)) != len(values):
-            seen: set[int] = set()
-            first = next(v for v in values if v in seen or seen.add(v))  # type: ignore[func-returns-value]
-            raise ValueError(f"{name} has duplicate page {first}")
+        _check_small(name, arr.tolist(), limit)
         return arr
     bad = arr[(arr < 0) | (arr >= limit)]
     if bad.size:
@@ -59,6 +68,16 @@ def as_pages(name: str, pages: PageList, limit: int) -> np.ndarray:
     if uniq.size != arr.size:
         raise ValueError(f"{name} has duplicate page {int(uniq[counts > 1][0])}")
     return arr
+
+
+def _check_small(name: str, values: list[int], limit: int) -> None:
+    """Raises ValueError naming the first page of `values` out of [0, limit), or repeated."""
+    if min(values) < 0 or max(values) >= limit:
+        raise _out_of_range(name, next(v for v in values if not 0 <= v < limit), limit)
+    if len(set(values)) != len(values):
+        seen: set[int] = set()
+        first = next(v for v in values if v in seen or seen.add(v))  # type: ignore[func-returns-value]
+        raise ValueError(f"{name} has duplicate page {first}")
 
 
 def _check_below(name: str, arr: np.ndarray, limit: int) -> None:
