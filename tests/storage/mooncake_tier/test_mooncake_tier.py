@@ -32,7 +32,7 @@ def test_pages_round_trip_zero_copy_and_staged(mooncake, name, direct):
     tier = mooncake(identity(g))
     tier.direct = direct
     pages = [(key(i), payload(g, i)) for i in range(6)]
-    assert tier.batch_set(pages) == [True] * 6
+    assert tier.batch_set(pages) == [True] * 6, tier.stats().last_error
     other = mooncake(identity(g), local_buffer_size=32 << 20)  # a second client (another link)
     other.direct = not direct
     into = [memoryview(bytearray(g.page_bytes)) for _ in range(7)]
