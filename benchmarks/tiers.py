@@ -26,15 +26,20 @@
   are medians, ratios the median of per-round ratios (the file tier's rounds likewise).
 - redis-cluster tier: the same against a raw redis-py RedisCluster pipeline, on a local
   3-master, 3-replica cluster (or --redis-cluster-url).
+- mooncake tier: set from a host pool and batch_read_into one, against Mooncake's own
+  batch_put_from / batch_get_into of the same stored bytes (benchmarks/tiers_mooncake.py),
+  on a local master and segment holder in a loopback-only network namespace (as root), or
+  the cluster at --mooncake-master.
 - HostIndex: memory per key (tracemalloc) and time per allocate+bind at growing key
   counts, to show the per-key cost does not grow.
 
-    python benchmarks/tiers.py [--backend all|file|redis|redis-cluster] [--pages 256] [--dir /tmp]
-                               [--redis-url URL] [--redis-cluster-url URL] [--repeat 5] [--cold] [--json]
+    python benchmarks/tiers.py [--backend all|file,redis,redis-cluster,mooncake] [--pages 256] [--dir /tmp]
+                               [--redis-url URL] [--redis-cluster-url URL] [--mooncake-master HOST:PORT]
+                               [--repeat 5] [--cold] [--json]
 
 Without --redis-url it starts a private redis-server on a unix socket, and without
 --redis-cluster-url a local cluster (each skipped if redis-server is absent). "all" (the
-default) runs file and redis; redis-cluster runs only when asked for.
+default) runs file and redis; redis-cluster and mooncake run only when asked for.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ from hicache.storage import TierIdentity
 from hicache.storage import page_format as fmt
 from hicache.storage.file import FileTier
 from hicache.storage.redis import RedisTier
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiers_mooncake  # noqa: E402 - beside this script
 
 BATCH = 32
 
@@ -434,9 +442,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pages", type=int, default=256)
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="folder for the file tier and the plain file")
-    ap.add_argument("--backend", default="all", choices=["all", "file", "redis", "redis-cluster"])
+    ap.add_argument(
+        "--backend",
+        default="all",
+        help="all, or a comma-separated list of file, redis, redis-cluster, mooncake (e.g. redis,redis-cluster,mooncake)",
+    )
     ap.add_argument("--redis-url", default="")
     ap.add_argument("--redis-cluster-url", default="", help="a node of a running cluster (default: start one)")
+    ap.add_argument("--mooncake-master", default="", help="a running master host:port (default: start one)")
     ap.add_argument("--index-keys", default="100000,1000000", help="comma-separated key counts")
     ap.add_argument("--repeat", type=int, default=5, help="rounds of each tier's benchmark")
     ap.add_argument("--cold", action="store_true", help="also the file tier's reads from the disk (root: drops caches)")
@@ -445,7 +458,13 @@ def main() -> None:
     g = geometry()
     items = pages_of(g, args.pages)
     result: dict[str, Any] = {"geometry": g.to_dict(), "batch": BATCH}
-    wanted = {"all": ("file", "redis", "index"), "file": ("file", "index")}.get(args.backend, (args.backend,))
+    wanted: set[str] = set()
+    for name in args.backend.split(","):
+        if name not in ("all", "file", "redis", "redis-cluster", "mooncake"):
+            ap.error(f"--backend: unknown backend {name!r}")
+        wanted |= {"all": {"file", "redis", "index"}, "file": {"file", "index"}}.get(name, {name})
+    if "mooncake" in wanted:  # first: it may move this process into a network namespace of its own
+        result["mooncake"] = tiers_mooncake.run(g, items[:128], args.mooncake_master, args.repeat)
     if "file" in wanted:
         result["file"] = [bench_file(g, items, Path(args.dir), fsync, args.repeat) for fsync in (False, True, "batch")]
         if args.cold:
@@ -493,6 +512,15 @@ def main() -> None:
         )
     elif cold is not None:
         print(f"file tier from the disk: {cold}")
+    r = result.get("mooncake")
+    if isinstance(r, dict):
+        print(
+            f"mooncake tier: set from a host pool {r['tier_set_pool_GBps']:.2f} GB/s vs Mooncake's batch_put_from "
+            f"{r['raw_put_GBps']:.2f} (ratio {r['set_pool_ratio']:.2f}); batch_read_into a host pool "
+            f"{r['tier_read_pool_GBps']:.2f} vs batch_get_into {r['raw_get_GBps']:.2f} (ratio {r['read_pool_ratio']:.2f})"
+        )
+    elif r is not None:
+        print(f"mooncake tier: {r}")
     for name, label in (("redis", "redis tier"), ("redis_cluster", "redis-cluster tier (3+3 nodes)")):
         r = result.get(name)
         if isinstance(r, dict):

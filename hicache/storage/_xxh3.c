@@ -423,6 +423,72 @@ static PyObject *pread_xxh3(PyObject *self, PyObject *args) {
     return Py_BuildValue("(nK)", (Py_ssize_t)got, (unsigned long long)digest);
 }
 
+/* Copy `sources` back to back into `dests` (the same bytes in all, each list in order) in
+ * chunks of at most WINDOW_BYTES, folding each chunk into the hash right after it lands, while
+ * it is in the CPU's cache; the hash runs over prefix, then the bytes copied. */
+static void copy_and_fold(Py_buffer *src, Py_ssize_t ns, Py_buffer *dst, Py_ssize_t nd, hasher *h) {
+    Py_ssize_t i = 0, j = 0;
+    size_t si = 0, dj = 0; /* bytes of src[i] / dst[j] already copied */
+    while (i < ns && j < nd) {
+        size_t s_left = (size_t)src[i].len - si, d_left = (size_t)dst[j].len - dj;
+        size_t take = s_left < d_left ? s_left : d_left;
+        if (take > WINDOW_BYTES) take = WINDOW_BYTES;
+        uint8_t *to = (uint8_t *)dst[j].buf + dj;
+        memcpy(to, (const uint8_t *)src[i].buf + si, take);
+        if (h != NULL) hasher_feed(h, to, take);
+        si += take, dj += take;
+        if (si == (size_t)src[i].len) i++, si = 0;
+        if (dj == (size_t)dst[j].len) j++, dj = 0;
+    }
+}
+
+static PyObject *copy_xxh3(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *prefix_seq, *src_seq, *dst_seq;
+    if (!PyArg_ParseTuple(args, "OOO:copy_xxh3", &prefix_seq, &src_seq, &dst_seq)) return NULL;
+    Py_ssize_t np, ns, nd;
+    size_t prefix_bytes, src_bytes, dst_bytes;
+    Py_buffer *prefix = get_buffers(prefix_seq, PyBUF_C_CONTIGUOUS, "prefix must be a sequence of buffers", &np, &prefix_bytes);
+    if (prefix == NULL) return NULL;
+    Py_buffer *src = get_buffers(src_seq, PyBUF_C_CONTIGUOUS, "sources must be a sequence of buffers", &ns, &src_bytes);
+    if (src == NULL) {
+        release_buffers(prefix, np);
+        return NULL;
+    }
+    Py_buffer *dst = get_buffers(dst_seq, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, "dests must be a sequence of writable buffers", &nd, &dst_bytes);
+    if (dst == NULL) {
+        release_buffers(prefix, np);
+        release_buffers(src, ns);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    size_t total = prefix_bytes + src_bytes;
+    if (src_bytes != dst_bytes) {
+        PyErr_Format(PyExc_ValueError, "copy_xxh3: %zu source bytes for %zu destination bytes", src_bytes, dst_bytes);
+    } else {
+        int hashed = total >= LONG_INPUT_MIN;
+        uint64_t digest = 0;
+        Py_BEGIN_ALLOW_THREADS;
+        hasher h;
+        if (hashed) {
+            hasher_init(&h, total);
+            for (Py_ssize_t i = 0; i < np; i++) hasher_feed(&h, prefix[i].buf, (size_t)prefix[i].len);
+        }
+        copy_and_fold(src, ns, dst, nd, hashed ? &h : NULL);
+        if (hashed) {
+            uint8_t last[STRIPE]; /* the input's last 64 bytes: from the copied bytes, then the prefix */
+            fill_tail(prefix, np, last, fill_tail(dst, nd, last, STRIPE));
+            digest = hasher_finish(&h, last);
+        }
+        Py_END_ALLOW_THREADS;
+        out = hashed ? PyLong_FromUnsignedLongLong(digest) : Py_NewRef(Py_None);
+    }
+    release_buffers(prefix, np);
+    release_buffers(src, ns);
+    release_buffers(dst, nd);
+    return out;
+}
+
 /* Whether this CPU can run loop i. */
 static int can_run(int i) { return i <= best_loop() && (i != LOOP_AVX2 || has_avx2()); }
 
@@ -464,6 +530,11 @@ static PyMethodDef methods[] = {
      "writable buffers `pieces`, in order and without the GIL, and return the bytes read with the XXH3-64 "
      "of prefix + pieces, computed as each window of bytes lands; the hash is None after a short read or "
      "when prefix + pieces is 240 bytes or shorter. OSError for a failed read."},
+    {"copy_xxh3", copy_xxh3, METH_VARARGS,
+     "copy_xxh3(prefix, sources, dests) -> int | None\n\nCopy the buffers `sources` back to back into the "
+     "writable buffers `dests` (the same total) without the GIL, and return the XXH3-64 of prefix + the "
+     "bytes copied, folded as each chunk lands; None when that is 240 bytes or shorter. ValueError when "
+     "the totals differ."},
     {"set_loop", set_loop, METH_O,
      "set_loop(name) -> str\n\nFor tests: hash with the named stripe loop ('portable', 'avx2', 'avx512' or "
      "'best'); returns the name of the loop in use before. ValueError for one this CPU cannot run."},

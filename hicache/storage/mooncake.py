@@ -3,11 +3,12 @@ every sidecar (and engine) on it.
 
 Each page is one object, "hicache:<identity qualifier>:<key hex>", holding page_format's
 header + key + payload, so a page of another geometry, model or namespace, or a damaged
-one, is a miss (and removed). Over TCP pages move zero-copy: writes send the header and the
-caller's payload pieces (a host page's chunks) as they are (batch_put_from_multi_buffers),
-reads land the header in a small buffer and the payload straight in the host page's pieces
-(batch_get_into_multi_buffers), verified there. Over RDMA, where Mooncake can only move
-registered memory, pages pass through a registered staging buffer (one copy each way).
+one, is a miss (and removed). Over TCP a page in at most two pieces moves zero-copy: writes
+send the header and the caller's payload as they are (batch_put_from_multi_buffers), reads
+land the header in a small buffer and the payload straight in the destination's pieces
+(batch_get_into_multi_buffers), verified there. Pages in more pieces (a layer_first host
+page), and every page over RDMA, are staged: copied through registered buffers, a group at
+a time while the group before moves (mooncake_staging).
 
 Mooncake keeps an existing object on a put, so a damaged page stays until a read removes
 it; a read leases the object, so removal is forced. When the master is gone, calls fail at
@@ -29,12 +30,14 @@ from hicache.storage.mooncake_link import (
     INVALID_PARAMS,
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
+    RPC_FAIL,
     TRANSFER_FAIL,
     address,
     open_link,
     release,
 )
 from hicache.storage.mooncake_options import MooncakeOptions
+from hicache.storage.mooncake_staging import DIRECT_MAX_PIECES, Stager
 
 PiecesOf = Callable[[int], Sequence[memoryview]]
 
@@ -60,7 +63,8 @@ class MooncakeTier(StorageTier):
         self.options = options if isinstance(options, MooncakeOptions) else MooncakeOptions.from_extra(options)
         self._link = open_link(self.options, clock)
         self.prefix = f"hicache:{identity.qualifier}:"
-        self.direct = self.options.protocol == "tcp"  # else staged: see the module's docstring
+        self.direct = self.options.protocol == "tcp"  # zero-copy allowed; else staged (mooncake_staging)
+        self._stager = Stager(self._link)
         self._per_batch = max(1, max_batch_bytes // fmt.stored_size(identity, b"k" * 32))
         self._closed = False
 
@@ -80,6 +84,7 @@ class MooncakeTier(StorageTier):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._stager.close()
             release(self._link)
 
     def _run(self, call: Callable[[Any], Any], n: int, what: str) -> list[int] | None:
@@ -133,42 +138,41 @@ class MooncakeTier(StorageTier):
         names = [self.name(k) for k in keys]
         pieces = [check_pieces(pieces_of(i), self.identity.page_bytes) for i in range(len(keys))]
         sizes = [fmt.stored_size(self.identity, k) for k in keys]
+        if not self.direct or any(len(p) > DIRECT_MAX_PIECES for p in pieces):
+
+            def finish(i: int, code: int | None, stored: memoryview) -> bool:
+                return self._verify(keys[i], names[i], code, sizes[i], stored, pieces[i])
+
+            return self._stager.get(names, sizes, self._run, finish)
         heads = [fmt.HEADER_BYTES + len(k) for k in keys]
-        buffer = np.empty(sum(heads if self.direct else sizes), dtype=np.uint8)
-        if not self.direct:
-            buffer = self._link.staging(buffer.nbytes)
+        buffer = np.empty(sum(heads), dtype=np.uint8)
         slots, at, whole = [], 0, buffer.data
-        for size in heads if self.direct else sizes:
+        for size in heads:
             slots.append(whole[at : at + size])
             at += size
-        if self.direct:
-            ptrs = [[address(h), *map(address, p)] for h, p in zip(slots, pieces, strict=True)]
-            lens = [[h.nbytes, *(v.nbytes for v in p)] for h, p in zip(slots, pieces, strict=True)]
-            codes = self._run(lambda store: store.batch_get_into_multi_buffers(names, ptrs, lens), len(keys), "reads")
-        else:
-            codes = self._run(
-                lambda store: store.batch_get_into(names, [address(s) for s in slots], sizes), len(keys), "reads"
+        ptrs = [[address(h), *map(address, p)] for h, p in zip(slots, pieces, strict=True)]
+        lens = [[h.nbytes, *(v.nbytes for v in p)] for h, p in zip(slots, pieces, strict=True)]
+        codes = self._run(lambda store: store.batch_get_into_multi_buffers(names, ptrs, lens), len(keys), "reads")
+        return [
+            self._verify(k, name, None if codes is None else code, size, slot, p)
+            for k, name, code, size, slot, p in zip(
+                keys, names, codes or [0] * len(keys), sizes, slots, pieces, strict=True
             )
-        if codes is None:
-            self._count(misses=len(keys))
-            return [False] * len(keys)
-        return [self._verify(*row) for row in zip(keys, names, codes, sizes, slots, pieces, strict=True)]
+        ]
 
     def _verify(
-        self, key: bytes, name: str, code: int, size: int, slot: memoryview, pieces: Sequence[memoryview]
+        self, key: bytes, name: str, code: int | None, size: int, got: memoryview, pieces: Sequence[memoryview]
     ) -> bool:
-        """Whether a read that answered `code` delivered a page of ours into `pieces`; a
-        wrong or damaged one is removed and counted, and is a miss."""
+        """Whether a read that answered `code` (None: not sent, the cluster is down) delivered
+        a page of ours: zero-copy, with its header + key in `got` and its payload in `pieces`;
+        staged, with the whole stored page in `got`, then copied into `pieces`. A wrong or
+        damaged page is removed and counted, and is a miss."""
         if code == size:
             try:
-                if self.direct:
-                    fmt.verify_page(self.identity, key, slot, pieces)
+                if got.nbytes == size:  # staged: the whole page, verified as it is copied out
+                    fmt.unstage_page(self.identity, key, got, pieces)
                 else:
-                    payload = fmt.decode_page(self.identity, key, slot)
-                    at = 0
-                    for piece in pieces:
-                        piece[:] = payload[at : at + piece.nbytes]
-                        at += piece.nbytes
+                    fmt.verify_page(self.identity, key, got, pieces)
             except fmt.PageError as e:
                 if e.reason == "unreadable":  # valid for sidecars with the algorithm: leave it
                     self._error(str(e))
@@ -180,6 +184,8 @@ class MooncakeTier(StorageTier):
             self._count(hits=1, bytes_read=self.identity.page_bytes)
             return True
         self._count(misses=1)
+        if code is None:
+            return False
         if code in (INVALID_PARAMS, TRANSFER_FAIL) or code >= 0:  # maybe an object of another size
             stored = self._link.run(lambda store: store.get_size(name))
             if stored is not None and stored >= 0 and stored != size:
@@ -195,45 +201,40 @@ class MooncakeTier(StorageTier):
         return self.batch_set([(key, data)])[0]
 
     def batch_set(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
-        # every page is checked (and its header made) before any is sent
-        heads = [fmt.encode_header(self.identity, key, data) for key, data in items]
+        parts = [fmt.checked_parts(self.identity, key, data) for key, data in items]  # all, before any is sent
         ok: list[bool] = []
         for start in range(0, len(items), self._per_batch):
-            chunk, chunk_heads = items[start : start + self._per_batch], heads[start : start + self._per_batch]
-            ok.extend(self._write_chunk(chunk, chunk_heads))
+            end = start + self._per_batch
+            ok.extend(self._write_chunk([key for key, _ in items[start:end]], parts[start:end]))
         n_ok = sum(ok)
         self._count(writes=n_ok, bytes_written=n_ok * self.identity.page_bytes, write_failures=len(ok) - n_ok)
         return ok
 
-    def _write_chunk(self, items: Sequence[tuple[bytes, Payload]], heads: list[bytes]) -> list[bool]:
-        names = [self.name(key) for key, _ in items]
-        parts = [[memoryview(h), *fmt.payload_parts(data)] for h, (_, data) in zip(heads, items, strict=True)]
-        if self.direct:
-            ptrs = [[address(v) for v in page] for page in parts]
-            lens = [[v.nbytes for v in page] for page in parts]
-            codes = self._run(lambda store: store.batch_put_from_multi_buffers(names, ptrs, lens), len(items), "writes")
+    def _write_chunk(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        names = [self.name(key) for key in keys]
+        if not self.direct or any(len(page) > DIRECT_MAX_PIECES for page in parts):
+            sizes = [fmt.stored_size(self.identity, key) for key in keys]
+
+            def fill(i: int, dest: memoryview) -> None:
+                fmt.stage_page(self.identity, keys[i], parts[i], dest)
+
+            codes: list[int] | None = self._stager.put(names, sizes, fill, self._run)
         else:
-            sizes = [sum(v.nbytes for v in page) for page in parts]
-            arena = self._link.staging(sum(sizes)).data
-            starts, at = [], 0
-            for page in parts:
-                starts.append(at)
-                for v in page:
-                    arena[at : at + v.nbytes] = v
-                    at += v.nbytes
-            base = address(arena)
-            codes = self._run(
-                lambda store: store.batch_put_from(names, [base + s for s in starts], sizes), len(items), "writes"
-            )
+            pages = [
+                [memoryview(fmt.encode_header(self.identity, k, list(p))), *p] for k, p in zip(keys, parts, strict=True)
+            ]
+            ptrs = [[address(v) for v in page] for page in pages]
+            lens = [[v.nbytes for v in page] for page in pages]
+            codes = self._run(lambda store: store.batch_put_from_multi_buffers(names, ptrs, lens), len(keys), "writes")
         if codes is None:
-            return [False] * len(items)
+            return [False] * len(keys)
         full = [code == NO_AVAILABLE_HANDLE for code in codes]
         self._count(no_space=sum(full))
-        failed = [code for code in codes if code not in (0, NO_AVAILABLE_HANDLE)]
+        failed = [code for code in codes if code not in (0, NO_AVAILABLE_HANDLE, RPC_FAIL)]
         if failed:
             self._error(f"mooncake: {len(failed)} of {len(codes)} writes failed (code {failed[0]})")
         done = [code == 0 for code in codes]
-        self._changed("stored", [key for (key, _), good in zip(items, done, strict=True) if good])
+        self._changed("stored", [key for key, good in zip(keys, done, strict=True) if good])
         return done
 
     def delete(self, key: bytes) -> bool:

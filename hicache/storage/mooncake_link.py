@@ -50,8 +50,7 @@ class MooncakeLink:
         self._backoff = Backoff(options.backoff_initial_s, options.backoff_max_s, clock)
         self._store: Any = None
         self._connecting = threading.Lock()
-        self._staging = threading.local()
-        self._registered: list[int] = []  # staging buffers registered with the client
+        self._registered: set[int] = set()  # addresses of the staging buffers registered with the client
         self.why = ""  # why the cluster is down, while it is
         self.users = 0  # tiers holding the link (open_link / release)
         self._connect()
@@ -142,21 +141,19 @@ class MooncakeLink:
     def is_down(self) -> bool:
         return not self._backoff.healthy
 
-    def staging(self, nbytes: int) -> np.ndarray:
-        """This thread's staging buffer of at least nbytes, registered with the client (the
-        buffers an RDMA transfer reads from and writes to)."""
-        arena: np.ndarray | None = getattr(self._staging, "arena", None)
-        if arena is None or arena.nbytes < nbytes:
-            arena = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
-            store = self._store
-            if store is not None and store.register_buffer(arena.ctypes.data, arena.nbytes) == 0:
-                old = getattr(self._staging, "arena", None)
-                if old is not None and old.ctypes.data in self._registered:
-                    store.unregister_buffer(old.ctypes.data)
-                    self._registered.remove(old.ctypes.data)
-                self._registered.append(arena.ctypes.data)
-            self._staging.arena = arena
-        return arena
+    def register(self, buffer: np.ndarray) -> None:
+        """Register `buffer` with the client (what an RDMA transfer may read and write) unless
+        it is, or the client is not connected yet (a later call registers it)."""
+        store = self._store
+        if store is not None and buffer.ctypes.data not in self._registered:
+            if store.register_buffer(buffer.ctypes.data, buffer.nbytes) == 0:
+                self._registered.add(buffer.ctypes.data)
+
+    def unregister(self, buffer: np.ndarray) -> None:
+        store = self._store
+        if store is not None and buffer.ctypes.data in self._registered:
+            self._registered.discard(buffer.ctypes.data)
+            store.unregister_buffer(buffer.ctypes.data)
 
     def close(self) -> None:
         store, self._store = self._store, None

@@ -31,10 +31,11 @@ from typing import Literal
 from hicache.storage.base import Buffer, Payload, TierIdentity
 
 try:  # the same XXH3-64 without the GIL, for inputs over 240 bytes (the C extension; optional)
+    from hicache.storage._xxh3 import copy_xxh3 as _copy_xxh3
     from hicache.storage._xxh3 import pread_xxh3 as _pread_xxh3
     from hicache.storage._xxh3 import xxh3_64_long as _xxh3_long
 except ImportError:
-    _xxh3_long = _pread_xxh3 = None  # type: ignore[assignment]
+    _xxh3_long = _pread_xxh3 = _copy_xxh3 = None  # type: ignore[assignment]
 
 MAGIC = b"HKVP"
 VERSION = 1
@@ -119,32 +120,68 @@ def payload_parts(payload: Payload) -> list[memoryview]:
     return [memoryview(payload).cast("B")]
 
 
+def checked_parts(identity: TierIdentity, key: bytes, payload: Payload) -> list[memoryview]:
+    """The payload's byte views (payload_parts) once the key and the payload's length are
+    right for `identity`. Raises ValueError otherwise."""
+    check_key(key)
+    parts = payload_parts(payload)
+    size = sum(p.nbytes for p in parts)
+    if size != identity.page_bytes:
+        raise ValueError(f"page payload must be {identity.page_bytes} bytes for this geometry, got {size}")
+    return parts
+
+
+def _fixed(identity: TierIdentity, key: bytes, algorithm: int) -> bytes:
+    fp, model, ns = identity.fingerprint_bytes, identity.model_hash, identity.namespace_hash
+    return _FIXED.pack(MAGIC, VERSION, algorithm, len(key), fp, model, ns, identity.page_bytes)
+
+
 def encode_header(identity: TierIdentity, key: bytes, payload: Payload, algorithm: int | None = None) -> bytes:
     """The header + key to store in front of `payload` (written as-is after it: one buffer,
     or a list of buffers in page order).
 
     Raises ValueError for a bad key or a payload that is not identity.page_bytes long.
     """
-    check_key(key)
-    parts = payload_parts(payload)
-    size = sum(p.nbytes for p in parts)
-    if size != identity.page_bytes:
-        raise ValueError(f"page payload must be {identity.page_bytes} bytes for this geometry, got {size}")
+    parts = checked_parts(identity, key, payload)
     algorithm = default_algorithm() if algorithm is None else algorithm
     summer = _checksummer(algorithm)
     if summer is None:
         raise ValueError(f"checksum algorithm {algorithm} is unknown or not installed")
-    fixed = _FIXED.pack(
-        MAGIC,
-        VERSION,
-        algorithm,
-        len(key),
-        identity.fingerprint_bytes,
-        identity.model_hash,
-        identity.namespace_hash,
-        size,
-    )
+    fixed = _fixed(identity, key, algorithm)
     return fixed + _CHECKSUM.pack(summer([fixed, key, *parts])) + key
+
+
+def stage_page(identity: TierIdentity, key: bytes, parts: Sequence[memoryview], dest: memoryview) -> None:
+    """Write the stored page of `parts` (checked_parts' views) into `dest` (a writable byte
+    view of stored_size bytes): with the C extension the payload is hashed as it is copied,
+    one pass over its bytes, else encode_header then a copy."""
+    head = HEADER_BYTES + len(key)
+    if _copy_xxh3 is not None and default_algorithm() == XXH3_64:
+        fixed = _fixed(identity, key, XXH3_64)
+        checksum = _copy_xxh3([fixed, key], parts, [dest[head:]])
+        dest[:head] = fixed + _CHECKSUM.pack(checksum) + key
+        return
+    dest[:head] = encode_header(identity, key, list(parts))
+    at = head
+    for part in parts:
+        dest[at : at + part.nbytes] = part
+        at += part.nbytes
+
+
+def unstage_page(identity: TierIdentity, key: bytes, stored: memoryview, pieces: Sequence[memoryview]) -> None:
+    """Verify a stored page of stored_size bytes read into `stored` and copy its payload into
+    `pieces` (in order; they may hold any bytes if it fails). With the C extension the payload
+    is hashed as it is copied. Raises PageError as decode_page does."""
+    head = HEADER_BYTES + len(key)
+    if _copy_xxh3 is not None and stored.nbytes > _ALGORITHM_AT and stored[_ALGORITHM_AT] == XXH3_64:
+        checksum = _copy_xxh3([stored[: _FIXED.size], stored[HEADER_BYTES:head]], [stored[head:]], pieces)
+        verify_page(identity, key, stored[:head], pieces, checksum=checksum)
+        return
+    payload = decode_page(identity, key, stored)
+    at = 0
+    for piece in pieces:
+        piece[:] = payload[at : at + piece.nbytes]
+        at += piece.nbytes
 
 
 def encode_page(identity: TierIdentity, key: bytes, payload: Buffer) -> bytes:

@@ -70,10 +70,12 @@ HOSTILE: dict[str, tuple[Callable[[bytes, bytes], bytes], str]] = {
 }
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["zero-copy", "staged"])
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_a_hostile_object_under_a_page_key_is_a_miss_removed_and_counted(mooncake, raw, case):
+def test_a_hostile_object_under_a_page_key_is_a_miss_removed_and_counted(mooncake, raw, case, direct):
     g = GEOMETRIES["deepseek_mla"]
     tier = mooncake(identity(g))
+    tier.direct = direct
     assert tier.batch_set([(key(i), payload(g, i)) for i in range(3)]) == [True] * 3
     page, other = (raw.get(tier.name(k)) for k in (key(1), key(2)))
     make, counter = HOSTILE[case]
