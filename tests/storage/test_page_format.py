@@ -73,3 +73,32 @@ def test_a_page_verified_in_pieces_is_checked_over_every_piece():
         fmt.verify_page(ident, key(2), head, pieces)
     with pytest.raises(fmt.PageError, match="shorter than the 48-byte header"):
         fmt.verify_page(ident, key(1), head[:20], pieces)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["copy_xxh3", "python"])
+def test_a_staged_page_is_the_stored_page_and_unstages_into_pieces(monkeypatch, fused):
+    """stage_page writes exactly encode_page's bytes from a page's pieces, hashing as it
+    copies (the C copy_xxh3) or not; unstage_page verifies while it copies into pieces, and
+    refuses a damaged or foreign page as decode_page does."""
+    if not fused:
+        monkeypatch.setattr(fmt, "_copy_xxh3", None)
+    elif fmt._copy_xxh3 is None:
+        pytest.fail("the C extension hicache.storage._xxh3 is not built")
+    g = GEOMETRIES["mimo_kv"]
+    ident, data = identity(g), payload(g, 3)
+    pieces = [memoryview(data)[a:b] for a, b in ((0, 7), (7, 1000), (1000, g.page_bytes))]
+    staged = bytearray(fmt.stored_size(ident, key(3)))
+    fmt.stage_page(ident, key(3), fmt.checked_parts(ident, key(3), pieces), memoryview(staged))
+    assert bytes(staged) == fmt.encode_page(ident, key(3), data)
+    out = bytearray(g.page_bytes + 5)
+    into = [memoryview(out)[:100], memoryview(out)[105:]]  # a 5-byte gap the copy must skip
+    fmt.unstage_page(ident, key(3), memoryview(staged), into)
+    assert out[:100] + out[105:] == data and out[100:105] == bytes(5)
+    damaged = bytearray(staged)
+    damaged[-1] ^= 1
+    with pytest.raises(PageError, match="corrupt"):
+        fmt.unstage_page(ident, key(3), memoryview(damaged), into)
+    with pytest.raises(PageError, match="foreign"):
+        fmt.unstage_page(identity(g, "other"), key(3), memoryview(staged), into)
+    with pytest.raises(ValueError, match=f"must be {g.page_bytes} bytes"):
+        fmt.checked_parts(ident, key(3), pieces[:2])

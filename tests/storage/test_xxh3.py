@@ -178,3 +178,36 @@ def test_pread_xxh3_short_file_short_input_and_bad_arguments(tmp_path: Path) -> 
     with pytest.raises(OSError) as bad:
         _xxh3.pread_xxh3(fd, 0, [], [bytearray(300)])  # closed
     assert bad.value.errno == errno.EBADF
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.binary(min_size=0, max_size=3000),
+    prefix=st.binary(min_size=0, max_size=100),
+    src_cuts=st.lists(st.integers(0, 3000), max_size=5),
+    dst_cuts=st.lists(st.integers(0, 3000), max_size=5),
+)
+def test_copy_xxh3_copies_any_cut_into_any_cut_and_hashes_prefix_and_bytes(
+    data: bytes, prefix: bytes, src_cuts: list[int], dst_cuts: list[int]
+) -> None:
+    if _xxh3 is None:
+        pytest.fail("hicache.storage._xxh3 is not built")
+
+    def pieces(cuts: list[int]) -> list[tuple[int, int]]:
+        points = sorted(min(c, len(data)) for c in cuts)
+        return list(zip([0, *points], [*points, len(data)], strict=True))
+
+    sources = [data[a:b] for a, b in pieces(src_cuts)]
+    out = bytearray(len(data))
+    dests = [memoryview(out)[a:b] for a, b in pieces(dst_cuts)]
+    digest = _xxh3.copy_xxh3([prefix], sources, dests)
+    assert out == data
+    assert digest == (xxhash.xxh3_64_intdigest(prefix + data) if len(prefix) + len(data) > 240 else None)
+
+
+@needs_ext
+def test_copy_xxh3_refuses_unequal_totals_and_read_only_destinations() -> None:
+    with pytest.raises(ValueError, match="300 source bytes for 299 destination bytes"):
+        _xxh3.copy_xxh3([], [bytes(300)], [bytearray(299)])
+    with pytest.raises(BufferError, match="not writable"):
+        _xxh3.copy_xxh3([], [bytes(300)], [bytes(300)])
