@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 from helpers import eventually
 from sidecar_util import CONFIG_PATH, PAGE_SIZE, ROOT
@@ -95,17 +96,34 @@ def test_start_up_stops_in_one_line_when_the_master_does_not_answer(tmp_path):
     assert f"127.0.0.1:{port}" in lines[0] and "unreachable" in lines[0] and "--hicache-storage-optional" in lines[0]
 
 
+def storage_healthy_metric(port: int) -> float:
+    """hicache_storage_healthy{backend="mooncake"} from the sidecar's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        body = reply.read().decode()
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if sample.name == "hicache_storage_healthy" and sample.labels.get("backend") == "mooncake":
+                return sample.value
+    raise AssertionError("no hicache_storage_healthy sample for the mooncake backend")
+
+
 def test_start_up_with_optional_storage_serves_then_connects(tmp_path):
-    from sidecar_util import filled_device, keys_for, start_in_process
+    from sidecar_util import filled_device, keys_for, mimo_geometries
 
     from hicache.api import KeyStatus, Tier
     from hicache.cache.config import HiCacheConfig
     from hicache.client import HiCacheClient
+    from hicache.sidecar.config import ServiceConfig
+    from server import ServerConfig, create_server
 
     master = LocalMooncakeMaster(tmp_path)
     extra = master.extra_config(backoff_initial_s=0.05, backoff_max_s=0.2)
     hierarchy = HiCacheConfig(storage_backend="mooncake", extra_config=extra, ratio=2.0)
-    srv, address = start_in_process(str(tmp_path), hierarchy=hierarchy, storage_optional=True)
+    service = ServiceConfig(expected=mimo_geometries(), hierarchy=hierarchy, storage_optional=True)
+    config = ServerConfig(socket=str(tmp_path / "hc.sock"), service=service, metrics_port=0, metrics_host="127.0.0.1")
+    srv, address = create_server(config)
     dev = filled_device(4)
     try:
         with HiCacheClient(address, timeout=20) as client:
@@ -116,9 +134,11 @@ def test_start_up_with_optional_storage_serves_then_connects(tmp_path):
             (stats,) = client.stats(info)
             assert stats.storage_backend == "mooncake" and not stats.storage_healthy
             assert stats.storage_nodes_down == (master.address,)
+            assert storage_healthy_metric(srv.metrics_port) == 0.0
             master.start()
             eventually(lambda: client.stats(info)[0].storage_healthy, what="storage healthy once the master is up")
             assert client.stats(info)[0].storage_nodes_down == ()
+            assert storage_healthy_metric(srv.metrics_port) == 1.0
     finally:
         srv.stop(0)
         dev.close()
