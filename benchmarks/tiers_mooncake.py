@@ -8,11 +8,12 @@ lends none, so every page crosses a process boundary over Mooncake's TCP transfe
 
 Each round, on the same stored pages (header + key + payload, as the tier stores them):
 - raw put: batch_put_from of the stored pages from one registered buffer, BATCH at a time;
-- tier set: MooncakeTier.batch_set of the same pages given as their host-pool pieces (what
-  the storage writer does: header made and checksummed, payload sent from the pool as is);
+- tier set: MooncakeTier.batch_set of the same pages given as their layer_first host-pool
+  pieces (what the storage writer does: 18 pieces a page, so the tier stages them, copied
+  and hashed in one pass into a registered buffer, then one put);
 - raw get: batch_get_into the same registered buffer;
-- tier read: MooncakeTier.batch_read_into the host pool's page pieces (the cache's fetch:
-  header in a small buffer, payload straight into the pages, verified there).
+- tier read: MooncakeTier.batch_read_into the host pool's page pieces (the cache's fetch: one
+  get into the staging buffer, each page verified as it is copied out into its pieces).
 Objects are removed (untimed) before each put, since Mooncake keeps an existing object.
 Ratios are raw time / tier time, the median of per-round ratios.
 """

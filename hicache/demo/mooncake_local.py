@@ -64,7 +64,7 @@ def master_binary() -> str:
 
 class LocalMooncakeMaster:
     """One mooncake_master on 127.0.0.1 (RPC and metrics ports picked free), logging into
-    `folder`. start() blocks until its /health answers; stop() kills it, and a later start()
+    `folder`. start() blocks until its /health answers and its RPC port accepts; stop() kills it, and a later start()
     is a restarted master on the same ports, which has lost every object. A context manager."""
 
     def __init__(self, folder: Path):
@@ -101,9 +101,11 @@ class LocalMooncakeMaster:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}: see {self.folder}")
-            try:
+            try:  # /health answers a few ms before the RPC port accepts: wait for both
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as reply:
-                    if reply.status == 200:
+                    healthy = reply.status == 200
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    if healthy:
                         return
             except OSError:
                 time.sleep(0.05)

@@ -82,11 +82,12 @@ def make_parts(
 
 def make_tier(req: PoolRequest, config: ServiceConfig) -> StorageTier:
     """The pool's storage tier; under an optional tier, one that cannot be made (OSError: a
-    read-only or unusable folder) is a DownTier, reported down while host memory serves."""
+    read-only or unusable folder; ImportError: a backend's package is missing) is a DownTier,
+    reported down while host memory serves."""
     h = config.hierarchy
     try:
         return h.make_tier(req.geometry, req.stored_model_id, req.namespace)
-    except OSError as exc:
+    except (OSError, ImportError) as exc:
         if not config.storage_optional:
             raise
         reason = f"the {h.storage_backend} tier could not be made: {exc}"

@@ -177,7 +177,11 @@ def backend_reachable(backend: str, extra: Mapping[str, Any]) -> tuple[bool, str
         return (False, mismatch) if mismatch else (True, "")
     if backend == "mooncake":
         try:
+            import mooncake.store  # noqa: F401 - the package and its libibverbs
+
             problem = master_problem(MooncakeOptions.from_extra(extra))
+        except ImportError as exc:
+            problem = f"storage backend 'mooncake': {exc} (pip install hicache[mooncake]; apt-get install libibverbs1)"
         except ValueError as exc:
             problem = str(exc)
         return (False, problem) if problem else (True, "")

@@ -22,8 +22,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from hicache.storage import page_format as fmt
 from hicache.storage.base import Payload, StorageTier, TierHealth, TierIdentity, TierStats, check_pieces
 from hicache.storage.mooncake_link import (
@@ -92,10 +90,9 @@ class MooncakeTier(StorageTier):
         if self._closed:
             raise ValueError("the mooncake tier is closed")
         codes = self._link.run(call)
-        if codes is None or self._link.is_down():
+        if codes is None or RPC_FAIL in codes:
             self._error(f"{n} {what}: {self._link.why}")
-            return None
-        return list(codes)
+        return None if codes is None else list(codes)
 
     # ---- reads --------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
@@ -117,21 +114,25 @@ class MooncakeTier(StorageTier):
         return [page if ok else None for page, ok in zip(pages, found, strict=True)]
 
     def batch_read_into(self, keys: Sequence[bytes], pieces_of: PiecesOf) -> int:
-        """The longest stored prefix of `keys`, each page landing in pieces_of(i) (zero-copy
-        over TCP). Pages after the first miss may have been written too."""
+        """The longest stored prefix of `keys`, each page landing in pieces_of(i). Reads go a
+        batch at a time and stop after the batch with the first miss; pages after the miss in
+        that batch may have been written too."""
         n = 0
-        for ok in self._read(keys, pieces_of):
+        for ok in self._read(keys, pieces_of, prefix=True):
             if not ok:
                 break
             n += 1
         return n
 
-    def _read(self, keys: Sequence[bytes], pieces_of: PiecesOf) -> list[bool]:
-        """Read every key into its pieces; whether each arrived whole and verified."""
+    def _read(self, keys: Sequence[bytes], pieces_of: PiecesOf, prefix: bool = False) -> list[bool]:
+        """Read every key into its pieces (with prefix, only up to the batch with the first
+        miss); whether each arrived whole and verified."""
         found: list[bool] = []
         for start in range(0, len(keys), self._per_batch):
             chunk = keys[start : start + self._per_batch]
             found.extend(self._read_chunk(chunk, functools.partial(_shifted, pieces_of, start)))
+            if prefix and not all(found):
+                break
         return found
 
     def _read_chunk(self, keys: Sequence[bytes], pieces_of: PiecesOf) -> list[bool]:
@@ -145,8 +146,7 @@ class MooncakeTier(StorageTier):
 
             return self._stager.get(names, sizes, self._run, finish)
         heads = [fmt.HEADER_BYTES + len(k) for k in keys]
-        buffer = np.empty(sum(heads), dtype=np.uint8)
-        slots, at, whole = [], 0, buffer.data
+        slots, at, whole = [], 0, memoryview(bytearray(sum(heads)))
         for size in heads:
             slots.append(whole[at : at + size])
             at += size
@@ -242,6 +242,8 @@ class MooncakeTier(StorageTier):
 
     def _remove(self, key: bytes, name: str) -> bool:
         """Remove one object, even while a reader holds its lease."""
+        if self._closed:
+            raise ValueError("the mooncake tier is closed")
         code = self._link.run(lambda store: store.remove(name, True))
         if code == 0:
             self._count(deletes=1)

@@ -13,13 +13,14 @@ its segment there (Mooncake does that itself); its pages are misses until writte
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import mmap
 import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
-
-import numpy as np
 
 from hicache.storage.base import TierHealth
 from hicache.storage.mooncake_options import MooncakeOptions, master_problem
@@ -36,9 +37,38 @@ RPC_FAIL = -900  # the master did not answer
 T = TypeVar("T")
 
 
-def address(view: memoryview) -> int:
-    """The address of a contiguous byte view's first byte (read-only views too)."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+class _PyBuffer(ctypes.Structure):  # CPython's Py_buffer, to read a buffer's address
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.py_object),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+PYBUF_SIMPLE = 0  # a contiguous buffer, as its exporter has it
+
+
+def address(view: object) -> int:
+    """The address of a contiguous buffer's first byte (read-only ones too). Raises
+    BufferError for a non-contiguous one."""
+    buffer = _PyBuffer()
+    _get_buffer(view, ctypes.byref(buffer), PYBUF_SIMPLE)  # BufferError for a non-contiguous one
+    try:
+        return int(buffer.buf or 0)
+    finally:
+        _release_buffer(ctypes.byref(buffer))
 
 
 class MooncakeLink:
@@ -50,9 +80,10 @@ class MooncakeLink:
         self._backoff = Backoff(options.backoff_initial_s, options.backoff_max_s, clock)
         self._store: Any = None
         self._connecting = threading.Lock()
-        self._registered: set[int] = set()  # addresses of the staging buffers registered with the client
+        self._registered: set[tuple[int, int]] = set()  # (address, size) of buffers registered with the client
         self.why = ""  # why the cluster is down, while it is
         self.users = 0  # tiers holding the link (open_link / release)
+        self.closed = False
         self._connect()
 
     @property
@@ -65,7 +96,7 @@ class MooncakeLink:
         if not self._connecting.acquire(blocking=False):
             return None
         try:
-            if self._store is not None:
+            if self._store is not None or self.closed:
                 return self._store
             problem = master_problem(self.options)
             if problem:
@@ -100,10 +131,10 @@ class MooncakeLink:
         self._backoff.failed()
 
     def ready(self) -> Any:
-        """The client when calls may go to it now, else None (down and backed off, or not
-        connected). Once a backoff runs out, the master is probed before calls go through."""
+        """The client when calls may go to it now, else None (closed, down and backed off, or
+        not connected). Once a backoff runs out, the master is probed before calls go through."""
         store = self._store
-        if self._backoff.blocked():
+        if self.closed or self._backoff.blocked():
             return None
         if store is None:
             return self._connect()
@@ -111,6 +142,7 @@ class MooncakeLink:
             problem = master_problem(self.options)
             if problem or store.health_check() != 0:
                 return self._down(problem or f"mooncake master {self.master} does not answer the client's pings")
+            self._backoff.ok()
         return store
 
     def run(self, call: Callable[[Any], T]) -> T | None:
@@ -141,24 +173,38 @@ class MooncakeLink:
     def is_down(self) -> bool:
         return not self._backoff.healthy
 
-    def register(self, buffer: np.ndarray) -> None:
-        """Register `buffer` with the client (what an RDMA transfer may read and write) unless
-        it is, or the client is not connected yet (a later call registers it)."""
-        store = self._store
-        if store is not None and buffer.ctypes.data not in self._registered:
-            if store.register_buffer(buffer.ctypes.data, buffer.nbytes) == 0:
-                self._registered.add(buffer.ctypes.data)
+    def register(self, buffer: mmap.mmap, store: Any) -> None:
+        """Register `buffer` with the client `store` (what an RDMA transfer may read and
+        write) unless it is already. Called inside a run() call, where the client is known."""
+        key = (address(buffer), len(buffer))
+        if key not in self._registered and store.register_buffer(*key) == 0:
+            self._registered.add(key)
 
-    def unregister(self, buffer: np.ndarray) -> None:
+    def forget(self, key: tuple[int, int]) -> None:
+        """Unregister the buffer (address, size) registered earlier, if it is (its memory is
+        about to be freed: a staging buffer replaced, or dropped with its thread or tier)."""
         store = self._store
-        if store is not None and buffer.ctypes.data in self._registered:
-            self._registered.discard(buffer.ctypes.data)
-            store.unregister_buffer(buffer.ctypes.data)
+        if key in self._registered:
+            self._registered.discard(key)
+            if store is not None:
+                store.unregister_buffer(key[0])
 
     def close(self) -> None:
+        """Close the client: it unmounts the segment this process lends, and the objects in it
+        are gone for the whole cluster. Mooncake's close (and its destructor) holds the GIL,
+        about 2 s with the master up and 12-15 s with it down, so with the master unreachable
+        the client is kept unclosed instead (until the process ends)."""
+        self.closed = True
         store, self._store = self._store, None
-        if store is not None:
+        if store is None:
+            return
+        if master_problem(self.options):
+            _UNCLOSED.append(store)
+        else:
             store.close()
+
+
+_UNCLOSED: list[Any] = []  # clients whose master was gone when they closed: see MooncakeLink.close
 
 
 _LINKS: dict[MooncakeOptions, MooncakeLink] = {}
@@ -179,11 +225,19 @@ def open_link(options: MooncakeOptions, clock: Callable[[], float] = time.monoto
 
 
 def release(link: MooncakeLink) -> None:
-    """A tier is done with `link`; the last one closes it."""
+    """A tier is done with `link`. The link stays open with no tier on it: its client lends
+    the cluster a segment that holds pages of other sidecars too, so it lives as long as the
+    process (close_links at exit), and a pool that registers later uses it again."""
     with _LINKS_LOCK:
         link.users -= 1
-        if link.users > 0:
-            return
-        if _LINKS.get(link.options) is link:
-            del _LINKS[link.options]
-    link.close()
+
+
+@atexit.register
+def close_links(master: str = "") -> None:
+    """Close the links no tier uses (those to `master` only, when given): at exit, and in
+    tests once a test's master is gone."""
+    with _LINKS_LOCK:
+        idle = [k for k, link in _LINKS.items() if link.users <= 0 and master in ("", k.master_server_address)]
+        links = [_LINKS.pop(k) for k in idle]
+    for link in links:
+        link.close()

@@ -13,14 +13,15 @@ put of 1.47 MB pages as 19 slices each ran at about 0.6 of the same bytes in one
 
 from __future__ import annotations
 
+import itertools
+import mmap
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from hicache.storage.lazy_threads import LazyThreads
-from hicache.storage.mooncake_link import MooncakeLink
+from hicache.storage.mooncake_link import MooncakeLink, address
 
 DIRECT_MAX_PIECES = 2  # payload pieces of a page that still move zero-copy
 Run = Callable[[Callable[[Any], Any], int, str], "list[int] | None"]
@@ -36,38 +37,54 @@ class Stager:
         self._link = link
         self._local = threading.local()
         self._worker = LazyThreads(1, "hicache-mooncake-stage")
+        self._unregisters: list[weakref.finalize] = []  # one per staging buffer made
 
     def close(self) -> None:
+        """Unregister every staging buffer of this tier (the link outlives it) and stop the worker."""
         self._worker.close()
+        for unregister in self._unregisters:
+            unregister()
 
-    def _arena(self, sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
-        """This thread's staging buffer, registered, with room for pages of `sizes` back to
-        back, and each page's offset in it."""
-        arena: np.ndarray | None = getattr(self._local, "arena", None)
-        if arena is None or arena.nbytes < sum(sizes):
-            if arena is not None:
-                self._link.unregister(arena)
-            arena = self._local.arena = np.empty(max(sum(sizes), 1 << 20), dtype=np.uint8)
-        self._link.register(arena)
-        return arena, np.cumsum([0, *sizes])[:-1].tolist()
+    def _arena(self, sizes: Sequence[int]) -> tuple[mmap.mmap, list[int]]:
+        """This thread's staging buffer (anonymous memory, page-aligned), with room for pages
+        of `sizes` back to back, and each page's offset in it. A buffer is unregistered when
+        it is replaced, dropped with its thread, or the tier closes; the calls register it
+        once the client is known (MooncakeLink.register)."""
+        arena: mmap.mmap | None = getattr(self._local, "arena", None)
+        if arena is None or len(arena) < sum(sizes):
+            arena = self._local.arena = mmap.mmap(-1, max(sum(sizes), 1 << 20))  # the old one: finalized
+            unregister = weakref.finalize(arena, self._link.forget, (address(arena), len(arena)))
+            self._unregisters = [u for u in self._unregisters if u.alive] + [unregister]
+        return arena, list(itertools.accumulate(sizes[:-1], initial=0))
 
     def put(self, names: Sequence[str], sizes: Sequence[int], fill: Fill, run: Run) -> list[int]:
         """Store page i under names[i]: sizes[i] bytes that fill(i, buffer) writes; Mooncake's
         code for each (RPC_FAIL when the cluster is down)."""
         arena, offsets = self._arena(sizes)
-        whole = arena.data
+        whole, base = memoryview(arena), address(arena)
         self._halves(len(names), lambda i: fill(i, whole[offsets[i] : offsets[i] + sizes[i]]))
-        ptrs = [arena.ctypes.data + at for at in offsets]
-        got = run(lambda store: store.batch_put_from(list(names), ptrs, list(sizes)), len(names), "writes")
+        ptrs = [base + at for at in offsets]
+
+        def send(store: Any) -> list[int]:
+            self._link.register(arena, store)
+            return list(store.batch_put_from(list(names), ptrs, list(sizes)))
+
+        got = run(send, len(names), "writes")
         return got if got is not None else [_NOT_SENT] * len(names)
 
     def get(self, names: Sequence[str], sizes: Sequence[int], run: Run, finish: Finish) -> list[bool]:
         """Read names[i] (sizes[i] bytes stored), then finish(i, code, the bytes read) each;
         whether each page finished good."""
         arena, offsets = self._arena(sizes)
-        ptrs = [arena.ctypes.data + at for at in offsets]
-        codes = run(lambda store: store.batch_get_into(list(names), ptrs, list(sizes)), len(names), "reads")
-        whole, good = arena.data, [False] * len(names)
+        whole, base = memoryview(arena), address(arena)
+        ptrs = [base + at for at in offsets]
+
+        def receive(store: Any) -> list[int]:
+            self._link.register(arena, store)
+            return list(store.batch_get_into(list(names), ptrs, list(sizes)))
+
+        codes = run(receive, len(names), "reads")
+        good = [False] * len(names)
 
         def check(i: int) -> None:
             good[i] = finish(i, None if codes is None else codes[i], whole[offsets[i] : offsets[i] + sizes[i]])

@@ -159,6 +159,8 @@ def stage_page(identity: TierIdentity, key: bytes, parts: Sequence[memoryview], 
     if _copy_xxh3 is not None and default_algorithm() == XXH3_64:
         fixed = _fixed(identity, key, XXH3_64)
         checksum = _copy_xxh3([fixed, key], parts, [dest[head:]])
+        if checksum is None:  # 240 bytes or less: python-xxhash's, over what was copied
+            checksum = _checksummer(XXH3_64)([fixed, key, dest[head:]])  # type: ignore[misc]
         dest[:head] = fixed + _CHECKSUM.pack(checksum) + key
         return
     dest[:head] = encode_header(identity, key, list(parts))

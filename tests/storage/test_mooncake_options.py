@@ -68,3 +68,11 @@ def test_an_unreachable_master_is_named():
     assert f"mooncake master 127.0.0.1:{port} is unreachable" in problem
     assert backend_reachable("mooncake", extra) == (False, problem)
     assert backend_reachable("mooncake", {"master_server_address": "nope"})[0] is False
+
+
+def test_a_missing_mooncake_package_is_named(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails as without the wheel
+    reachable, why = backend_reachable("mooncake", MASTER)
+    assert not reachable and "pip install hicache[mooncake]" in why and "libibverbs1" in why

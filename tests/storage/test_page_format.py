@@ -102,3 +102,16 @@ def test_a_staged_page_is_the_stored_page_and_unstages_into_pieces(monkeypatch, 
         fmt.unstage_page(identity(g, "other"), key(3), memoryview(staged), into)
     with pytest.raises(ValueError, match=f"must be {g.page_bytes} bytes"):
         fmt.checked_parts(ident, key(3), pieces[:2])
+
+
+def test_a_page_of_240_bytes_or_less_stages_and_unstages() -> None:
+    """Below the C hash's 240-byte floor, stage_page takes python-xxhash's checksum."""
+    g = KVGeometry(layer_num=1, head_num=1, head_dim=8, v_head_dim=8, page_size=1)
+    ident, data = identity(g), payload(g, 5)
+    assert fmt.stored_size(ident, key(5)) <= 240
+    staged = bytearray(fmt.stored_size(ident, key(5)))
+    fmt.stage_page(ident, key(5), fmt.checked_parts(ident, key(5), data), memoryview(staged))
+    assert bytes(staged) == fmt.encode_page(ident, key(5), data)
+    out = bytearray(g.page_bytes)
+    fmt.unstage_page(ident, key(5), memoryview(staged), [memoryview(out)])
+    assert out == data

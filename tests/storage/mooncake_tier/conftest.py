@@ -11,6 +11,7 @@ import pytest
 from hicache.demo.mooncake_local import LocalMooncakeMaster, enter_loopback_namespace, only_loopback
 from hicache.storage import TierIdentity
 from hicache.storage.mooncake import MooncakeTier
+from hicache.storage.mooncake_link import close_links
 
 MakeTier = Callable[..., MooncakeTier]
 
@@ -26,6 +27,7 @@ def master(tmp_path: Path) -> Iterator[LocalMooncakeMaster]:
     """A master of this test's own (nothing stored by another test), which it may stop and restart."""
     with LocalMooncakeMaster(tmp_path) as m:
         yield m
+        close_links(m.address)  # while the master is up: its tiers' client closes cleanly
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from tier_helpers import GEOMETRIES, identity, key, payload
 from hicache.demo.loopback_ports import free_ports
 from hicache.demo.mooncake_local import LocalMooncakeMaster
 from hicache.storage.factory import backend_reachable
+from hicache.storage.mooncake_link import close_links
 
 
 def stored_again(tier, k: bytes, data: bytes) -> bool:
@@ -65,6 +66,7 @@ def test_master_down_at_start_then_up(tmp_path):
         assert backend_reachable("mooncake", master.extra_config()) == (True, "")
     finally:
         tier.close()
+        close_links(master.address)
         master.stop()
 
 
@@ -142,4 +144,5 @@ def test_start_up_with_optional_storage_serves_then_connects(tmp_path):
     finally:
         srv.stop(0)
         dev.close()
+        close_links(master.address)
         master.stop()

@@ -12,6 +12,7 @@ from tier_helpers import GEOMETRIES, GEOMETRY_NAMES, identity, key, payload
 from hicache.demo.mooncake_local import LocalMooncakeMaster
 from hicache.storage import page_format as fmt
 from hicache.storage.mooncake import MooncakeTier
+from hicache.storage.mooncake_link import close_links
 
 
 @pytest.fixture
@@ -133,15 +134,28 @@ def test_bad_input_raises_and_stores_nothing(mooncake):
     assert not tier.health().healthy and "closed" in tier.health().detail
     with pytest.raises(ValueError, match="closed"):
         tier.get(key(1))
+    with pytest.raises(ValueError, match="closed"):
+        tier.delete(key(1))
 
 
-def test_two_tiers_of_one_process_share_one_client(mooncake, master):
-    """One Mooncake client (one lent segment) per process and options, however many pools."""
-    a = mooncake(identity(GEOMETRIES["mimo_kv"]))
+def test_two_tiers_of_one_process_share_one_client_which_outlives_them(mooncake, master):
+    """One Mooncake client (one lent segment) per process and options, however many pools;
+    it stays when the last tier closes (its segment holds other sidecars' pages too), and a
+    later tier uses it again, until close_links."""
+    g = GEOMETRIES["mimo_kv"]
+    a = mooncake(identity(g))
     b = mooncake(identity(GEOMETRIES["deepseek_mla"], "other"))
     assert a._link is b._link and a._link.users == 2
+    assert a.set(key(1), payload(g, 1))
+    a.close()
     b.close()
-    assert a._link.users == 1 and a.set(key(1), payload(GEOMETRIES["mimo_kv"], 1))
-    c = MooncakeTier(identity(GEOMETRIES["mimo_kv"]), master.extra_config())
-    assert c._link is a._link
+    link = a._link
+    assert link.users == 0 and not link.closed
+    c = MooncakeTier(identity(g), master.extra_config())
+    assert c._link is link and bytes(c.get(key(1))) == payload(g, 1)  # the segment kept the page
     c.close()
+    close_links(master.address)
+    assert link.closed and link.ready() is None
+    d = MooncakeTier(identity(g), master.extra_config())
+    assert d._link is not link and d.health().healthy
+    d.close()
