@@ -145,20 +145,12 @@ class MooncakeTier(StorageTier):
                 return self._verify(keys[i], names[i], code, sizes[i], stored, pieces[i])
 
             return self._stager.get(names, sizes, self._run, finish)
-        heads = [fmt.HEADER_BYTES + len(k) for k in keys]
-        slots, at, whole = [], 0, memoryview(bytearray(sum(heads)))
-        for size in heads:
-            slots.append(whole[at : at + size])
-            at += size
+        slots = [memoryview(bytearray(fmt.HEADER_BYTES + len(k))) for k in keys]  # each page's header + key
         ptrs = [[address(h), *map(address, p)] for h, p in zip(slots, pieces, strict=True)]
         lens = [[h.nbytes, *(v.nbytes for v in p)] for h, p in zip(slots, pieces, strict=True)]
         codes = self._run(lambda store: store.batch_get_into_multi_buffers(names, ptrs, lens), len(keys), "reads")
-        return [
-            self._verify(k, name, None if codes is None else code, size, slot, p)
-            for k, name, code, size, slot, p in zip(
-                keys, names, codes or [0] * len(keys), sizes, slots, pieces, strict=True
-            )
-        ]
+        answers: Sequence[int | None] = [None] * len(keys) if codes is None else codes
+        return [self._verify(*row) for row in zip(keys, names, answers, sizes, slots, pieces, strict=True)]
 
     def _verify(
         self, key: bytes, name: str, code: int | None, size: int, got: memoryview, pieces: Sequence[memoryview]

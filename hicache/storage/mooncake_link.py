@@ -30,7 +30,6 @@ from hicache.storage.redis_link import Backoff
 NO_AVAILABLE_HANDLE = -200  # no segment has room (or none is mounted yet after a restart)
 INVALID_PARAMS = -600  # among others: the object is longer than the buffers given
 OBJECT_NOT_FOUND = -704
-OBJECT_HAS_LEASE = -706  # removed only with force
 TRANSFER_FAIL = -800  # among others: the object is shorter than the buffers given
 RPC_FAIL = -900  # the master did not answer
 
@@ -169,9 +168,6 @@ class MooncakeLink:
             self._down(f"mooncake master {self.master} does not answer the client's pings (health_check {code})")
             return TierHealth(False, self.why)
         return TierHealth(True, f"mooncake master {self.master}")
-
-    def is_down(self) -> bool:
-        return not self._backoff.healthy
 
     def register(self, buffer: mmap.mmap, store: Any) -> None:
         """Register `buffer` with the client `store` (what an RDMA transfer may read and

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hicache.storage.lazy_threads import LazyThreads
-from hicache.storage.mooncake_link import MooncakeLink, address
+from hicache.storage.mooncake_link import RPC_FAIL, MooncakeLink, address
 
 DIRECT_MAX_PIECES = 2  # payload pieces of a page that still move zero-copy
 Run = Callable[[Callable[[Any], Any], int, str], "list[int] | None"]
@@ -70,7 +70,7 @@ class Stager:
             return list(store.batch_put_from(list(names), ptrs, list(sizes)))
 
         got = run(send, len(names), "writes")
-        return got if got is not None else [_NOT_SENT] * len(names)
+        return got if got is not None else [RPC_FAIL] * len(names)
 
     def get(self, names: Sequence[str], sizes: Sequence[int], run: Run, finish: Finish) -> list[bool]:
         """Read names[i] (sizes[i] bytes stored), then finish(i, code, the bytes read) each;
@@ -107,6 +107,3 @@ class Stager:
         finally:
             if other is not None:
                 other.result()
-
-
-_NOT_SENT = -900  # RPC_FAIL: the cluster was down for this group
