@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from hicache.memory.buffer import MemoryHandle, SharedBuffer, seal_shrink, shrunk
+from hicache.memory.vm import MAP_FIXED, PROT_NONE, drop_mapping, libc_mmap, munmap
 
 MAX_FDS = 16
 _MAGIC = b"HCFD1"
@@ -203,15 +204,6 @@ def _answer(conn: socket.socket, store: FdStore) -> None:
     conn.sendall(json.dumps({"ids": [store.add(fd) for fd in fds]}).encode() + b"\n")
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_MAP_FIXED = 0x10
-_PROT_NONE = 0
-
-
 def map_fds(fds: Sequence[int], handle: MemoryHandle) -> tuple[SharedBuffer, list[int], list[int]]:
     """Map `fds` back to back as one flat buffer; returns it, where each segment starts in it
     (segment_offsets) and each segment's size (the bytes of it that exist: the rest of its last
@@ -222,15 +214,14 @@ def map_fds(fds: Sequence[int], handle: MemoryHandle) -> tuple[SharedBuffer, lis
         _, total = segment_offsets(sizes)
         if total != handle.nbytes:
             raise ValueError(f"fd segments of {sizes} bytes map to {total} bytes, the handle says {handle.nbytes}")
-        base = _libc.mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-        if base in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), "mmap reserve failed")
+        base = libc_mmap(None, total, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
         offsets, _ = segment_offsets(sizes)
         for fd, off, size in zip(fds, offsets, sizes, strict=True):
-            got = _libc.mmap(base + off, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
-            if got != base + off:
-                _libc.munmap(base, total)
-                raise OSError(ctypes.get_errno(), "mmap of an fd segment failed")
+            try:
+                libc_mmap(base + off, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, fd, 0)
+            except OSError:
+                munmap(base, total)
+                raise
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -243,8 +234,8 @@ def map_fds(fds: Sequence[int], handle: MemoryHandle) -> tuple[SharedBuffer, lis
         if fd not in kept:
             os.close(fd)
 
-    def release() -> None:
-        _libc.munmap(base, total)
+    def release() -> None:  # the tensor does not own the mapping: a stale access would fault
+        drop_mapping(base, total)
         for fd in kept:
             os.close(fd)
 

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Sequence
 
 from hicache.memory.buffer import MemoryHandle, SharedBuffer, check_nbytes, shrunk
+from hicache.memory.vm import drop_mapping, punch_holes, punch_path
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,17 @@ def create_shm(nbytes: int, committed: Sequence[tuple[int, int]] | None = None) 
         for offset, length in spans:
             tensor[offset : offset + length].zero_()  # fault the pages in now, not on the first transfer
     except BaseException:
-        _release_segment(path, creator)
+        _release_segment(path, creator, nbytes)
         raise
     handle = MemoryHandle("shm", nbytes, name=name, proof=proof)
-    return SharedBuffer(tensor, handle, lambda: _release_segment(path, creator))
+    base = tensor.data_ptr()
+
+    def release() -> None:
+        _release_segment(path, creator, nbytes)
+        if os.getpid() == creator:
+            drop_mapping(base, nbytes)
+
+    return SharedBuffer(tensor, handle, release)
 
 
 def _tag(head: str, proof: str) -> str:
@@ -160,19 +168,12 @@ def commit_shm(name: str, spans: Sequence[tuple[int, int]]) -> None:
         os.close(fd)
 
 
-_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-
-
 def release_shm(name: str, spans: Sequence[tuple[int, int]]) -> bool:
     """Give the memory of the (offset, length) ranges of segment `name` back to the system
     (they read as zeros after). False where the file system cannot (the bytes stay)."""
-    import ctypes
-
-    fallocate = ctypes.CDLL(None, use_errno=True).fallocate
-    fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
     fd = os.open(os.path.join(shm_dir(), name), os.O_RDWR)
     try:
-        return all(fallocate(fd, _PUNCH_HOLE, offset, length) == 0 for offset, length in spans)
+        return punch_holes(fd, list(spans))
     finally:
         os.close(fd)
 
@@ -197,12 +198,14 @@ def _reserve(fd: int, nbytes: int, offset: int = 0) -> None:
 _LIVE_SEGMENTS: dict[str, int] = {}
 
 
-def _release_segment(path: str, creator: int) -> None:
-    """Unlink the segment at `path` if this process is its `creator`; a forked child's
-    finalizer for its parent's segment does nothing."""
+def _release_segment(path: str, creator: int, nbytes: int) -> None:
+    """Free and unlink the segment at `path` if this process is its `creator`: its memory
+    goes back at once, even while other processes (or a stale tensor here) still map it. A
+    forked child's finalizer for its parent's segment does nothing."""
     if os.getpid() != creator:
         return
     _LIVE_SEGMENTS.pop(path, None)
+    punch_path(path, nbytes)
     _unlink(path)
 
 
@@ -257,7 +260,13 @@ def open_shm(name: str, nbytes: int) -> SharedBuffer:
         raise
     # the fd stays open so that a transfer can first check that the owner has not shrunk it
     damage = shrunk([fd], [nbytes], f"shared memory {name!r}")
-    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), lambda: os.close(fd), damage)
+    base = tensor.data_ptr()
+
+    def release() -> None:
+        drop_mapping(base, nbytes)
+        os.close(fd)
+
+    return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), release, damage)
 
 
 def _unlink(path: str) -> None:
