@@ -58,14 +58,19 @@ class PoolInfo:
     # CUDA pools: the layer events' IPC handles (layer_event_slots x layer_num, slot-major)
     layer_event_handles: tuple[bytes, ...] = ()
     layer_event_slots: int = 0
+    # memory kind "engine": the copy window the engine offloads into (see sidecar.grants)
+    window_shm_name: str = ""
+    window_pages: int = 0
 
 
 @dataclass(frozen=True)
 class CopyGrant:
     """BeginCopy answer (copy path "engine": the engine copies itself). statuses: one per key
     (offload: STORED granted, DEDUPLICATED, NO_SPACE; reload: LOADED / LOADED_FROM_STORAGE
-    granted, NOT_FOUND). host_pages: the host page of each granted key, in key order.
-    EndCopy(grant_id) within expires_s seconds; "" when nothing was granted."""
+    granted, NOT_FOUND). host_pages: for a reload, the host page of each granted key; for an
+    offload, the copy window's page each granted key is written into; in key order.
+    EndCopy(grant_id) within expires_s seconds (a later one is reported, the pages stay
+    held); grant_id "" when nothing was granted."""
 
     statuses: tuple[KeyStatus, ...]
     host_pages: tuple[int, ...]

@@ -104,6 +104,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             progress_nbytes=info.progress_nbytes,
             layer_event_handles=list(info.layer_event_handles),
             layer_event_slots=info.layer_event_slots,
+            window_shm_name=info.window_shm_name,
+            window_pages=info.window_pages,
         )
 
     @mapped_errors

@@ -4,14 +4,19 @@ Where the sidecar cannot map the engine's memory (vLLM's CPU worker allocates it
 with torch.zeros, a private allocation; a CUDA pool in a CuMem pool cannot be exported over
 CUDA IPC; SGLang's host pool outside memfds, its K and V in two allocations), the engine maps the sidecar's host pool (shared memory; page-locked here when the
 engine's memory is on CUDA) and runs a TransferEngine, with the same KVGeometry, between
-the two. The sidecar keeps the index, eviction, tiers and pins: BeginCopy grants host pages,
-EndCopy publishes an offload's pages (only then can any lookup see them) or drops a
-reload's hold. See hicache.sidecar.grants.
+the two. The host pool is mapped for reading only: an offload is written into the pool's
+copy window (a segment of its own, mapped read-write), which the sidecar copies into the
+host pages at EndCopy. The sidecar keeps the index, eviction, tiers and pins: BeginCopy
+grants pages, EndCopy publishes an offload's pages (only then can any lookup see them) or
+drops a reload's hold. A reload whose EndCopy fails reports its pages as not loaded: the
+sidecar no longer vouched for them. See hicache.sidecar.grants.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -54,12 +59,15 @@ def local_pool(geometry: KVGeometry, num_pages: int, memory: SharedBuffer, devic
 
 
 class EngineCopy:
-    """One pool's copies in the engine's process: its memory and the mapped host pool."""
+    """One pool's copies in the engine's process: its memory, the host pool mapped for
+    reading and the copy window mapped for writing."""
 
-    def __init__(self, device: DeviceKVPool, host: HostKVPool, begin: BeginCopy, end: EndCopy):
-        self.device, self.host = device, host
-        self.engine = TransferEngine(device, host)
+    def __init__(self, device: DeviceKVPool, host: HostKVPool, window: HostKVPool, begin: BeginCopy, end: EndCopy):
+        self.device, self.host, self.window = device, host, window
+        self.engine = TransferEngine(device, host)  # reloads: host -> device
+        self.writer = TransferEngine(device, window)  # offloads: device -> window
         self._begin, self._end = begin, end
+        self._window_lock = threading.Lock()  # one offload in the window at a time
 
     @classmethod
     def attach(
@@ -68,31 +76,52 @@ class EngineCopy:
         host_name: str,
         host_pages: int,
         host_layout: str,
+        window_name: str,
+        window_pages: int,
         begin: BeginCopy,
         end: EndCopy,
     ) -> EngineCopy:
-        """Map the sidecar's host pool `host_name` (host_pages pages in host_layout) beside
+        """Map the sidecar's host pool `host_name` (host_pages pages in host_layout) for
+        reading and its copy window `window_name` (window_pages pages, same layout) beside
         `device`; page-locked when `device` is on CUDA. Raises ValueError or OSError."""
-        host = HostKVPool.attach(device.geometry, host_pages, host_layout, MemoryHandle("shm", 0, name=host_name))
-        try:
-            if device.flat.is_cuda and not pin_host(host.memory):
+        if not window_name or window_pages < 1:
+            raise ValueError(f"the sidecar gave no copy window for this pool (got {window_name!r}, {window_pages})")
+        g = device.geometry
+        with contextlib.ExitStack() as undo:
+            host = HostKVPool.attach(g, host_pages, host_layout, MemoryHandle("shm", 0, name=host_name), read_only=True)
+            undo.callback(host.close)
+            window = HostKVPool.attach(g, window_pages, host_layout, MemoryHandle("shm", 0, name=window_name))
+            undo.callback(window.close)
+            if device.flat.is_cuda and not (pin_host(host.memory, read_only=True) and pin_host(window.memory)):
                 log.warning("the sidecar's host pool is not page-locked in this process: copies run pageable")
-            return cls(device, host, begin, end)
-        except BaseException:
-            host.close()
-            raise
+            copier = cls(device, host, window, begin, end)
+            undo.pop_all()
+            return copier
 
     def offload(self, keys: Sequence[bytes], device_pages: Sequence[int]) -> TransferResult:
-        """Copy device_pages[i] into the host page granted to keys[i], then publish them:
-        STORED, DEDUPLICATED or NO_SPACE each. A failed copy publishes nothing."""
+        """Copy device_pages[i] into the window page granted to keys[i], then have the
+        sidecar publish them: STORED, DEDUPLICATED or NO_SPACE each. An offload larger than
+        the window goes in window-sized parts, each granted and published on its own. A
+        failed copy publishes nothing of its part (and raises)."""
         pages = self._checked(keys, device_pages)
+        statuses: list[KeyStatus] = []
+        nbytes = 0
+        step = self.window.num_pages
+        with self._window_lock:
+            for at in range(0, len(pages), step):
+                part = self._offload_part(keys[at : at + step], pages[at : at + step])
+                statuses += part.statuses
+                nbytes += part.bytes_copied
+        return TransferResult(tuple(statuses), nbytes)
+
+    def _offload_part(self, keys: Sequence[bytes], pages: list[int]) -> TransferResult:
         grant = self._begin(keys, True)
         src = [p for p, s in zip(pages, grant.statuses, strict=True) if s == KeyStatus.STORED]
         if not grant.grant_id:
             return TransferResult(grant.statuses, 0)
         t0 = time.perf_counter()
         try:
-            nbytes = self.engine.offload(src, list(grant.host_pages))
+            nbytes = self.writer.offload(src, list(grant.host_pages))
         except BaseException:
             self._abandon(grant.grant_id)
             raise
@@ -101,7 +130,10 @@ class EngineCopy:
 
     def reload(self, keys: Sequence[bytes], device_pages: Sequence[int]) -> TransferResult:
         """Copy the longest loadable prefix of `keys` into device_pages (done when this
-        returns): LOADED / LOADED_FROM_STORAGE, then NOT_FOUND, device pages untouched."""
+        returns): LOADED / LOADED_FROM_STORAGE, then NOT_FOUND, device pages untouched. If the
+        sidecar cannot end the grant afterwards (it ended with the pool, the sidecar is gone),
+        the copied pages may have been reused meanwhile: all are NOT_FOUND, and their device
+        pages hold bytes to be recomputed."""
         pages = self._checked(keys, device_pages)
         grant = self._begin(keys, False)
         if not grant.grant_id:
@@ -115,8 +147,9 @@ class EngineCopy:
             raise
         try:
             self._end(grant.grant_id, True, time.perf_counter() - t0)
-        except Exception as exc:  # the pages are on the device: the sidecar's hold ends with its lease
-            log.warning("reload copied %d pages, but ending its grant failed: %s", n, exc)
+        except Exception as exc:
+            log.warning("reload copied %d pages, but ending its grant failed (reported not loaded): %s", n, exc)
+            return TransferResult((KeyStatus.NOT_FOUND,) * len(keys), 0)
         return TransferResult(grant.statuses, nbytes)
 
     def _checked(self, keys: Sequence[bytes], device_pages: Sequence[int]) -> list[int]:
@@ -134,6 +167,7 @@ class EngineCopy:
             log.warning("could not end copy grant %s after a failed copy: %s", grant_id, exc)
 
     def close(self) -> None:
-        """Unmap the host pool (the engine's memory stays the engine's)."""
-        self.engine.close()
-        self.host.close()
+        """Unmap the host pool and the window (the engine's memory stays the engine's)."""
+        with contextlib.ExitStack() as steps:
+            for part in (self.host, self.window, self.writer, self.engine):
+                steps.callback(part.close)

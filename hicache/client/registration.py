@@ -140,6 +140,8 @@ class PoolRegistration(ClientPools):
             r.lease_timeout.ToNanoseconds() / 1e9,
             r.pool_secret,
             r.progress_shm_name,
+            r.window_shm_name,
+            r.window_pages,
         )
         self._pools[info.pool_id] = info
         self._secrets[info.pool_id] = r.pool_secret
@@ -196,6 +198,8 @@ class PoolRegistration(ClientPools):
                 info.host_shm_name,
                 info.host_pages,
                 info.host_layout,
+                info.window_shm_name,
+                info.window_pages,
                 lambda keys, offload: self.begin_copy(keys, offload=offload, pool=pool_id),
                 lambda grant_id, commit, seconds: self.end_copy(
                     grant_id, commit=commit, copy_seconds=seconds, pool=pool_id

@@ -152,10 +152,14 @@ class CudaIpcOpens:
         return SharedBuffer(tensor, handle, lambda: self.bases.release(key))
 
 
-def pin_host(buffer: SharedBuffer) -> bool:
-    """Page-lock a host buffer for fast DMA when CUDA is present. Returns whether it pinned:
-    where CUDA refuses (the memlock limit, too little memory to lock), the buffer stays
-    pageable, which copies slower but the same bytes, and a warning says so."""
+_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly (CUDA 11.1)
+
+
+def pin_host(buffer: SharedBuffer, *, read_only: bool = False) -> bool:
+    """Page-lock a host buffer for fast DMA when CUDA is present (`read_only`: a mapping the
+    GPU only reads, cudaHostRegisterReadOnly). Returns whether it pinned: where CUDA refuses
+    (the memlock limit, too little memory to lock), the buffer stays pageable, which copies
+    slower but the same bytes, and a warning says so."""
     if not cuda_available():
         return False
     try:
@@ -164,7 +168,7 @@ def pin_host(buffer: SharedBuffer) -> bool:
         return False
     ptr = buffer.tensor.data_ptr()
     try:
-        cp.cuda.runtime.hostRegister(ptr, buffer.nbytes, 0)
+        cp.cuda.runtime.hostRegister(ptr, buffer.nbytes, _HOST_REGISTER_READ_ONLY if read_only else 0)
     except Exception as exc:  # cupy's CUDARuntimeError; any refusal leaves the buffer as it was
         log.warning("host pool of %d bytes not pinned (%s): its copies run from pageable memory", buffer.nbytes, exc)
         return False

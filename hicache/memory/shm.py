@@ -26,9 +26,13 @@ import stat
 import tempfile
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from hicache.memory.buffer import MemoryHandle, SharedBuffer, check_nbytes, shrunk
-from hicache.memory.vm import drop_mapping, punch_holes, punch_path
+from hicache.memory.vm import drop_mapping, libc_mmap, punch_holes, punch_path
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +46,16 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def create_shm(nbytes: int, committed: Sequence[tuple[int, int]] | None = None) -> SharedBuffer:
+def create_shm(
+    nbytes: int, committed: Sequence[tuple[int, int]] | None = None, *, free_on_close: bool = True
+) -> SharedBuffer:
     """Create a new shared-memory segment, mode 0600 (whatever the umask), with an
     unpredictable name (96 random bits), unlinked on close, at exit, and on a SIGTERM the
     process does not handle itself (see _unlink_on_sigterm). Its memory is allocated (and
     faulted in) now: all of it, or only the `committed` (offset, length) ranges, the rest
-    left sparse until commit_shm."""
+    left sparse until commit_shm. On close its memory is freed at once, even where other
+    processes still map it (they read zeros), unless free_on_close is False (then it goes
+    with the last mapping)."""
     check_nbytes(nbytes)
     spans = [(0, nbytes)] if committed is None else list(committed)
     ns, pid, start = _owner()
@@ -81,7 +89,7 @@ def create_shm(nbytes: int, committed: Sequence[tuple[int, int]] | None = None) 
     base = tensor.data_ptr()
 
     def release() -> None:
-        _release_segment(path, creator, nbytes)
+        _release_segment(path, creator, nbytes if free_on_close else 0)
         if os.getpid() == creator:
             drop_mapping(base, nbytes)
 
@@ -199,13 +207,14 @@ _LIVE_SEGMENTS: dict[str, int] = {}
 
 
 def _release_segment(path: str, creator: int, nbytes: int) -> None:
-    """Free and unlink the segment at `path` if this process is its `creator`: its memory
-    goes back at once, even while other processes (or a stale tensor here) still map it. A
-    forked child's finalizer for its parent's segment does nothing."""
+    """Free (its first `nbytes`) and unlink the segment at `path` if this process is its
+    `creator`: that memory goes back at once, even while other processes (or a stale tensor
+    here) still map it. A forked child's finalizer for its parent's segment does nothing."""
     if os.getpid() != creator:
         return
     _LIVE_SEGMENTS.pop(path, None)
-    punch_path(path, nbytes)
+    if nbytes:
+        punch_path(path, nbytes)
     _unlink(path)
 
 
@@ -230,8 +239,9 @@ def _unlink_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
-def open_shm(name: str, nbytes: int) -> SharedBuffer:
-    """Map an existing segment created by create_shm in another process.
+def open_shm(name: str, nbytes: int, *, read_only: bool = False) -> SharedBuffer:
+    """Map an existing segment created by create_shm in another process; `read_only` maps
+    it for reading only (a write through the tensor faults: SIGSEGV).
 
     Raises ValueError for a malformed name or a size mismatch, FileNotFoundError if absent.
     """
@@ -239,8 +249,9 @@ def open_shm(name: str, nbytes: int) -> SharedBuffer:
     if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
         raise ValueError(f"invalid shared-memory name {name!r}")
     path = os.path.join(shm_dir(), name)
+    flags = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_NOFOLLOW | os.O_CLOEXEC
     try:  # O_NOFOLLOW: a symlink planted to map some other file fails here (ELOOP)
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, flags)
     except OSError as exc:
         if isinstance(exc, FileNotFoundError):
             raise
@@ -251,10 +262,7 @@ def open_shm(name: str, nbytes: int) -> SharedBuffer:
             raise ValueError(f"shared memory {name!r} is not a regular file")
         if st.st_size != nbytes:
             raise ValueError(f"shared memory {name!r} holds {st.st_size} bytes, expected {nbytes}")
-        source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path  # Linux: the open file
-        import torch
-
-        tensor = torch.from_file(source, shared=True, size=nbytes, dtype=torch.uint8)
+        tensor = _map_read_only(fd, nbytes) if read_only else _map_shared(fd, path, nbytes)
     except BaseException:
         os.close(fd)
         raise
@@ -267,6 +275,24 @@ def open_shm(name: str, nbytes: int) -> SharedBuffer:
         os.close(fd)
 
     return SharedBuffer(tensor, MemoryHandle("shm", nbytes, name=name), release, damage)
+
+
+def _map_shared(fd: int, path: str, nbytes: int) -> torch.Tensor:
+    import torch
+
+    source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path  # Linux: the open file
+    return torch.from_file(source, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _map_read_only(fd: int, nbytes: int) -> torch.Tensor:
+    """A PROT_READ mapping of `fd` as a tensor that does not own it (release drops it)."""
+    import ctypes
+    import mmap
+
+    import torch
+
+    base = libc_mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(base), dtype=torch.uint8)
 
 
 def _unlink(path: str) -> None:

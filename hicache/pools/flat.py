@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cached_property
 
 import numpy as np
@@ -156,6 +157,18 @@ class FlatPool:
             assert last + s.row_bytes <= self.nbytes, f"buffer {g.buffers[i].name} runs past the pool end"
             spans.append(s.row_bytes)
         assert sum(spans) == g.layer_row_bytes
+
+    def copy_pages_from(self, src: FlatPool, src_pages: Sequence[int], dst_pages: Sequence[int]) -> None:
+        """Copy src's page src_pages[i] into this pool's page dst_pages[i], every layer and
+        buffer. Raises ValueError for another geometry, unequal lists or a page out of range."""
+        if src.geometry != self.geometry:
+            raise ValueError(f"pools of different geometries; fields differ: {self.geometry.diff(src.geometry)}")
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"got {len(src_pages)} source pages but {len(dst_pages)} destination pages")
+        for s_page, d_page in zip(src_pages, dst_pages, strict=True):
+            src._check_page(s_page)
+            self._check_page(d_page)
+            _copy_page(src, s_page, self, d_page)
 
     def close(self) -> None:
         """Release the pool's memory. The pool is unusable afterwards."""

@@ -56,11 +56,15 @@ class HostKVPool(FlatPool):
         super().__init__(geometry, lay, memory)
 
     @classmethod
-    def attach(cls, geometry: KVGeometry, num_pages: int, layout: str, handle: MemoryHandle) -> HostKVPool:
-        """Map a host pool that another process created, from its shared-memory `handle`."""
+    def attach(
+        cls, geometry: KVGeometry, num_pages: int, layout: str, handle: MemoryHandle, *, read_only: bool = False
+    ) -> HostKVPool:
+        """Map a host pool that another process created, from its shared-memory `handle`;
+        `read_only`: for reading only (a write through it faults)."""
         if handle.kind != "shm":
             raise ValueError(f"a host pool is shared through shm, got kind {handle.kind!r}")
-        return cls(geometry, num_pages, layout, memory=open_shm(handle.name, geometry.pool_bytes(num_pages)))
+        memory = open_shm(handle.name, geometry.pool_bytes(num_pages), read_only=read_only)
+        return cls(geometry, num_pages, layout, memory=memory)
 
     @property
     def layout_name(self) -> str:

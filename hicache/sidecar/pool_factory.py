@@ -17,6 +17,7 @@ from hicache.memory.cuda_events import OpenedIpcEvents
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.sidecar.config import IO_BACKENDS, ServiceConfig
 from hicache.sidecar.events import EventBus, PoolEvents
+from hicache.sidecar.grants import window_pages
 from hicache.sidecar.host_growth import first_pages
 from hicache.sidecar.pool import RegisteredPool
 from hicache.sidecar.registration import PoolIdentity, PoolRequest, map_device, map_engine_layout
@@ -36,11 +37,14 @@ class PoolParts:
     device: DeviceKVPool | None  # None: the engine copies itself (memory kind "engine")
     offload_events: OpenedIpcEvents | None
     tier: StorageTier | None  # None: made for a pool expected to join a live host cache
+    window: HostKVPool | None = None  # memory kind "engine": the copy window (see sidecar.grants)
 
     def close(self) -> None:
         with contextlib.ExitStack() as undo:  # each one closed, even if another raises
             if self.device is not None:
                 undo.callback(self.device.close)
+            if self.window is not None:
+                undo.callback(self.window.close)
             if self.offload_events is not None:
                 undo.callback(self.offload_events.close)
             if self.tier is not None:
@@ -61,8 +65,11 @@ def make_parts(
     nothing left open."""
     with contextlib.ExitStack() as undo:
         device: DeviceKVPool | None = None
-        if req.device_memory.kind == "engine":
-            pass  # nothing to map: the engine copies between its memory and the host pool
+        window: HostKVPool | None = None
+        if req.device_memory.kind == "engine":  # nothing to map: the engine copies, through a window
+            pages = window_pages(req.geometry.page_bytes, req.device_pages)
+            window = HostKVPool(req.geometry, pages, config.host_layout)
+            undo.callback(window.close)
         elif req.device_layout:
             device = map_engine_layout(
                 req.geometry, req.device_pages, req.device_memory, req.device_layout, fds, ipc, req.cuda_device
@@ -77,7 +84,7 @@ def make_parts(
             undo.callback(offload_events.close)
         tier = make_tier(req, config) if with_tier else None
         undo.pop_all()
-        return PoolParts(device, offload_events, tier)
+        return PoolParts(device, offload_events, tier, window)
 
 
 def make_tier(req: PoolRequest, config: ServiceConfig) -> StorageTier:
@@ -150,6 +157,7 @@ def join_pool(
         layerwise_inline_bytes=config.layerwise_inline_bytes,
         device_pages=req.device_pages,
         grant_ttl_s=config.lease_timeout_s,
+        window=parts.window,
     )
     if parts.tier is not None:
         with contextlib.suppress(Exception):

@@ -49,6 +49,7 @@ class PoolState:
         layerwise_inline_bytes: int = 0,
         device_pages: int = 0,
         grant_ttl_s: float = 30.0,
+        window: HostKVPool | None = None,
     ):
         """`shared`: the host cache it joins (hicache.sidecar.shared_cache); StateError if that
         is closing. `events`: where the pool publishes KV events (registered now, unregistered
@@ -57,7 +58,8 @@ class PoolState:
         that offloads wait for on the GPU. `layerwise_inline_bytes`: a layer-wise reload of
         fewer bytes is copied before the answer (CPU pools). device None: the engine's memory
         is not mapped (copy path "engine": the engine copies through grants, see grants.py);
-        device_pages then says how many pages it has."""
+        device_pages then says how many pages it has, and `window` is its copy window (owned
+        and closed with the pool)."""
         self.identity = identity
         self.device = device
         self.shared = shared
@@ -67,7 +69,7 @@ class PoolState:
         self.geometry = cache.geometry
         self.device_pages = device.num_pages if device is not None else device_pages
         self.copy_path = "sidecar" if device is not None else "engine"
-        self.grants = CopyGrants(cache, grant_ttl_s, clock)
+        self.grants = CopyGrants(cache, grant_ttl_s, clock, window)
         self.max_batch = max_batch
         self.counters = Counters()
         self.lock = threading.Lock()

@@ -27,7 +27,9 @@ class ProgressBlock:
     """Thread-safe. close() unlinks the segment."""
 
     def __init__(self, slots: int = SLOTS):
-        self.memory = create_shm(slots * SLOT_WORDS * 4)
+        # not freed on close: an engine waiting in a slot then still reads it as it was, and
+        # finds the sidecar gone by probing it
+        self.memory = create_shm(slots * SLOT_WORDS * 4, free_on_close=False)
         self.words = self.memory.tensor.numpy().view(np.uint32).reshape(slots, SLOT_WORDS)
         self._lock = threading.Lock()
         self._free = deque(range(slots))

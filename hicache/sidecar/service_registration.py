@@ -221,7 +221,7 @@ class ServiceRegistration(ServicePools):
 
 def _pool_info(pool: RegisteredPool, req: PoolRequest, lease_timeout_s: float) -> PoolInfo:
     """What RegisterPool answers for a new pool."""
-    identity, host = pool.identity, pool.host
+    identity, host, window = pool.identity, pool.host, pool.grants.window
     return PoolInfo(
         identity.pool_id,
         host.num_pages,
@@ -237,4 +237,6 @@ def _pool_info(pool: RegisteredPool, req: PoolRequest, lease_timeout_s: float) -
         pool.progress.nbytes if pool.progress is not None else 0,
         tuple(pool.layer_events.handles) if pool.layer_events is not None else (),
         pool.layer_events.slots if pool.layer_events is not None else 0,
+        window.handle.name if window is not None else "",
+        window.num_pages if window is not None else 0,
     )

@@ -83,7 +83,7 @@ def test_grants_publish_an_offload_only_when_committed_and_release_a_reload() ->
         svc.close()
 
 
-def test_a_grant_never_ended_expires_with_the_lease_and_publishes_nothing() -> None:
+def test_a_grant_past_its_time_is_reported_and_keeps_its_pages_until_ended_or_released() -> None:
     now = [0.0]
     svc = make_service(lease_timeout_s=5.0)
     try:
@@ -93,14 +93,24 @@ def test_a_grant_never_ended_expires_with_the_lease_and_publishes_nothing() -> N
         pool.grants._clock = lambda: now[0]
         ks = keys_for(2)
         grant = svc.begin_copy("b", info.pool_id, ks, offload=True)
-        assert pool.index.reserved_pages == 2
+        held = svc.begin_copy("b2", info.pool_id, keys_for(2, seed=1), offload=True)
+        assert pool.index.reserved_pages == 4
         now[0] = 6.0
-        svc.reap_expired()  # the reaper's tick ends late grants
-        assert pool.index.reserved_pages == 0 and len(pool.grants) == 0
+        svc.reap_expired()  # the reaper's tick reports late grants, once
+        svc.reap_expired()
+        assert pool.grants.overdue == 2 and pool.index.reserved_pages == 4 and len(pool.grants) == 2
         assert svc.lookup(info.pool_id, ks).tiers == (Tier.NONE,) * 2
-        with pytest.raises(UnknownId, match="expired"):
-            svc.end_copy("e", info.pool_id, grant.grant_id, commit=True)
-        svc.check_integrity()
+        window = pool.grants.window
+        assert window is not None and sorted(grant.host_pages + held.host_pages) == [0, 1, 2, 3]
+        for slot in grant.host_pages:
+            window.write_page(slot, bytes([slot + 1]) * window.geometry.page_bytes)
+        assert svc.end_copy("e", info.pool_id, grant.grant_id, commit=True) == 2  # late, but its pages were kept
+        assert svc.lookup(info.pool_id, ks).tiers == (Tier.HOST,) * 2
+        host_pages = [pool.index.page_of(k) for k in ks]
+        for slot, page in zip(grant.host_pages, host_pages, strict=True):
+            assert bytes(pool.host.read_page(page).numpy()) == bytes([slot + 1]) * window.geometry.page_bytes
+        assert svc.unregister("u", info.pool_id)  # the release ends the other one, as failed
+        assert window.memory.closed
     finally:
         svc.close()
 

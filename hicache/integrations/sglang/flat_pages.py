@@ -42,6 +42,8 @@ class FlatPages:
             info.host_shm_name,
             info.host_pages,
             info.host_layout,
+            info.window_shm_name,
+            info.window_pages,
             lambda keys, offload: client.begin_copy(keys, offload=offload, pool=pid),
             lambda grant, commit, seconds: client.end_copy(grant, commit=commit, copy_seconds=seconds, pool=pid),
         )

@@ -127,7 +127,7 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., group: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., device_memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., key_hash: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., device_layout: _Optional[str] = ..., offload_event_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout", "pool_secret", "progress_shm_name", "progress_nbytes", "layer_event_handles", "layer_event_slots")
+    __slots__ = ("pool_id", "host_pages", "host_shm_name", "host_layout", "host_nbytes", "geometry_fingerprint", "key_hash", "key_bytes", "lease_timeout", "pool_secret", "progress_shm_name", "progress_nbytes", "layer_event_handles", "layer_event_slots", "window_shm_name", "window_pages")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     HOST_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class RegisterPoolResponse(_message.Message):
     PROGRESS_NBYTES_FIELD_NUMBER: _ClassVar[int]
     LAYER_EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     LAYER_EVENT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_PAGES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     host_pages: int
     host_shm_name: str
@@ -156,7 +158,9 @@ class RegisterPoolResponse(_message.Message):
     progress_nbytes: int
     layer_event_handles: _containers.RepeatedScalarFieldContainer[bytes]
     layer_event_slots: int
-    def __init__(self, pool_id: _Optional[str] = ..., host_pages: _Optional[int] = ..., host_shm_name: _Optional[str] = ..., host_layout: _Optional[str] = ..., host_nbytes: _Optional[int] = ..., geometry_fingerprint: _Optional[str] = ..., key_hash: _Optional[str] = ..., key_bytes: _Optional[int] = ..., lease_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., pool_secret: _Optional[str] = ..., progress_shm_name: _Optional[str] = ..., progress_nbytes: _Optional[int] = ..., layer_event_handles: _Optional[_Iterable[bytes]] = ..., layer_event_slots: _Optional[int] = ...) -> None: ...
+    window_shm_name: str
+    window_pages: int
+    def __init__(self, pool_id: _Optional[str] = ..., host_pages: _Optional[int] = ..., host_shm_name: _Optional[str] = ..., host_layout: _Optional[str] = ..., host_nbytes: _Optional[int] = ..., geometry_fingerprint: _Optional[str] = ..., key_hash: _Optional[str] = ..., key_bytes: _Optional[int] = ..., lease_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., pool_secret: _Optional[str] = ..., progress_shm_name: _Optional[str] = ..., progress_nbytes: _Optional[int] = ..., layer_event_handles: _Optional[_Iterable[bytes]] = ..., layer_event_slots: _Optional[int] = ..., window_shm_name: _Optional[str] = ..., window_pages: _Optional[int] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("request_id", "pool_id")
