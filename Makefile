@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # the C extensions' sources (setup.py): a change rebuilds the environments
 C_SOURCES := $(wildcard hicache/transfer/_native*.[ch] hicache/storage/_xxh3.c hicache/memory/_*.c)
 
-.PHONY: services demo test test-mooncake lint bench bench-tiers clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu test-vllm-upstream gpu-check bench-engines
+.PHONY: services demo test test-mooncake lint bench bench-tiers bench-trace clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu test-vllm-upstream gpu-check bench-engines
 
 $(STAMP): pyproject.toml setup.py $(C_SOURCES)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -171,6 +171,12 @@ test-vllm-cpu: $(VLLM_CPU_STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/transfer.py
+
+# Mooncake's trace through real sidecars against the exact prefix LRU of the same size
+# (hicache replay; TRACE_ARGS picks the slice, sizes and backend)
+TRACE_ARGS ?= --first 3000 --requests 993 --host-size 1e5
+bench-trace: $(STAMP)
+	TRITON_INTERPRET=1 $(VENV)/bin/hicache replay benchmarks/traces/mooncake_synthetic_trace.jsonl $(TRACE_ARGS)
 
 # file tier vs plain sequential I/O; redis tier vs a raw pipeline (starts its own redis-server)
 bench-tiers: $(STAMP)

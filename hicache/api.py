@@ -145,6 +145,12 @@ class PoolStats:
     copy_path: str = "sidecar"  # who copies device <-> host: the sidecar, or the engine itself
     cache_id: str = ""  # its host cache: pools of one model and rank slice share one (host_* counted once)
     cache_members: int = 1  # the registered pools sharing that host cache, this one included
+    offload_stored: int = 0  # this pool's offloaded keys by answer, ever
+    offload_deduplicated: int = 0
+    offload_no_space: int = 0
+    writes_done: int = 0  # the host cache's storage writes, ever: written, dropped (queue full), failed
+    writes_dropped: int = 0
+    write_failures: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The `hicache` command line: demo, geometry, health, stats and events."""
+"""The `hicache` command line: demo, replay, geometry, health, stats and events."""
 
 from __future__ import annotations
 
@@ -76,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     from hicache.demo.run import add_arguments
 
     add_arguments(demo)
+    replay = sub.add_parser(
+        "replay",
+        formatter_class=fmt,
+        help="replay a KV-cache trace through real sidecars; compare with an exact prefix LRU of the same size",
+    )
+    from hicache.replay.run import add_arguments as add_replay_arguments
+
+    add_replay_arguments(replay)
     geometry = sub.add_parser("geometry", formatter_class=fmt, help="print the KV geometry of an HF config.json")
     geometry.add_argument("config", help="a Hugging Face config.json")
     geometry.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
@@ -124,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             from hicache.demo.run import run_demo
 
             return run_demo(args)
+        if args.command == "replay":
+            from hicache.replay.run import run_replay
+
+            return run_replay(args)
         if args.command == "geometry":
             from hicache.demo import print_geometry
 

@@ -101,6 +101,8 @@ class ServiceCollector(Collector):
         members = g("hicache_host_cache_members", "Registered pools sharing the host cache", labels=POOL)
         healthy = g("hicache_storage_healthy", "1 if the storage tier can serve", labels=[*POOL, "backend"])
         queue = g("hicache_storage_write_queue_pages", "Pages waiting to be written to storage", labels=POOL)
+        offloads = c("hicache_offload_keys", "Offloaded keys, by answer", labels=[*POOL, "status"])
+        writes = c("hicache_storage_writes", "Storage writes, by outcome", labels=[*POOL, "result"])
         copies = g(
             "hicache_copy_backend_info",
             "1 for the backend of the pool's device<->host copies",
@@ -142,7 +144,7 @@ class ServiceCollector(Collector):
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
             "pages": pages, "bytes": nbytes, "seconds": seconds, "hits": hits, "misses": misses,
             "evictions": evictions, "checksum": checksum, "host": host, "capacity": capacity, "queue": queue,
-            "members": members,
+            "members": members, "offloads": offloads, "writes": writes,
         }  # fmt: skip
         for (name, *labels), value in sums.items():
             families[name].add_metric(labels, value)
@@ -182,6 +184,11 @@ def _counts(pool: RegisteredPool) -> tuple[dict[Series, float], dict[Series, flo
     cache[("evictions", *ids, "host")] += pool.index.evictions
     cache[("evictions", *ids, "storage")] += st["evictions"]
     cache[("checksum", *ids, "storage")] += st["corrupt"]
+    for status, n in (("stored", s.offload_stored), ("deduplicated", s.offload_deduplicated),
+                      ("no_space", s.offload_no_space)):  # fmt: skip
+        mine[("offloads", *ids, status)] += n
+    for result, n in (("done", s.writes_done), ("dropped", s.writes_dropped), ("failed", s.write_failures)):
+        cache[("writes", *ids, result)] += n
     return dict(mine), dict(cache), s
 
 

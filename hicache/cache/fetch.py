@@ -115,10 +115,11 @@ class FetchMixin(WritePolicyMixin):
                     self._n["prefetch_failures"] += status.failed
 
     # ---- load's fetch -----------------------------------------------------------------------
-    def _load_from_storage(self, rest: list[bytes]) -> list[tuple[bytes, int]]:
+    def _load_from_storage(self, rest: list[bytes]) -> tuple[list[tuple[bytes, int]], bool]:
         """Fetch into host, referenced, the keys at the head of `rest` that are in storage
         and not on host, up to the first one that is on host (or being filled) or missing.
-        Never evicts a resident key of `rest` to make room."""
+        Never evicts a resident key of `rest` to make room. Also says whether the host ran
+        out of room before the run ended."""
         present = self.storage.batch_exists(rest)
         with self._lock:
             fetch = []
@@ -127,12 +128,13 @@ class FetchMixin(WritePolicyMixin):
                     break
                 fetch.append(k)
             pages, backups = self._reserve_locked(rest, fetch)
+            no_room = len(pages) < len(fetch)
             fetch = fetch[: len(pages)]
             for k in fetch:
                 self._pending[k] = "load"
                 self._begin_locked(k)
         self._submit(self._read_evicted(backups))
-        return self._fetch_into(fetch, pages, ref=True, handle=None)
+        return self._fetch_into(fetch, pages, ref=True, handle=None), no_room
 
     def _write_fetched(self, pages: list[int], i: int, data: memoryview) -> None:
         self.pool.write_page(pages[i], data)

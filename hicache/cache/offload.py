@@ -15,6 +15,8 @@ from hicache.cache.results import Reservation
 from hicache.cache.write_policy import Backup, WritePolicyMixin
 from hicache.storage.base import Buffer
 
+ROOM_WAIT_S = 10.0  # a call waits at most this long in all for storage writes to free host pages
+
 
 class OffloadMixin(WritePolicyMixin):
     # provided by HierarchicalCache (the page reservation by FetchMixin)
@@ -42,6 +44,15 @@ class OffloadMixin(WritePolicyMixin):
             writes = self._note_use([k for k, _ in existing])
         self._submit(writes + self._read_evicted(backups))
         return reservation
+
+    def wait_for_room(self, timeout: float) -> bool:
+        """Wait for host pages that queued storage writes hold to be written (then they can
+        be evicted): True when a write batch finished, False when no write holds a page, or
+        the writer is stalled, or `timeout` s pass first."""
+        with self._lock:
+            if not self._queued:
+                return False
+        return self._writer.wait_written(timeout)
 
     def commit(self, reservation: Reservation) -> None:
         """The data of reservation.new is in its pages: make the keys resident and apply the

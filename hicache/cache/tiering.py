@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from hicache.cache.fetch import FetchMixin, unique_keys
 from hicache.cache.index import HostIndex
 from hicache.cache.key_ops import KeyOpsMixin
-from hicache.cache.offload import OffloadMixin
+from hicache.cache.offload import ROOM_WAIT_S, OffloadMixin
 from hicache.cache.policies import (
     PrefetchPolicy,
     PrefetchTimeout,
@@ -126,7 +127,9 @@ class HierarchicalCache(KeyOpsMixin, OffloadMixin, FetchMixin):
         """Reference the longest prefix of `keys` that is on host or can be fetched from
         storage; keys only in storage are fetched into host first (source "storage"), and
         runs on host and in storage may alternate. Waits for in-flight prefetches of these
-        keys. Call release(result.keys) after the host -> device copy."""
+        keys, and, while the host has no room for a fetch because its pages wait for storage
+        writes, for those writes (ROOM_WAIT_S at most). Call release(result.keys) after the
+        host -> device copy."""
         keys = unique_keys(keys)
         with self._lock:
             tasks = {id(t): t for k in keys if isinstance(t := self._pending.get(k), PrefetchHandle)}
@@ -135,6 +138,7 @@ class HierarchicalCache(KeyOpsMixin, OffloadMixin, FetchMixin):
         out: list[bytes] = []
         pages: list[int] = []
         sources: list[Tier] = []
+        deadline = time.monotonic() + ROOM_WAIT_S
         try:
             while len(out) < len(keys):
                 with self._lock:
@@ -151,8 +155,10 @@ class HierarchicalCache(KeyOpsMixin, OffloadMixin, FetchMixin):
                 rest = keys[len(out) :]
                 if not rest or not self.storage.enabled:
                     break
-                got = self._load_from_storage(rest)
-                if not got:
+                got, no_room = self._load_from_storage(rest)
+                if not got:  # host pages queued for storage writes: wait for them, within a bound
+                    if no_room and self.wait_for_room(deadline - time.monotonic()):
+                        continue
                     break
                 out += [k for k, _ in got]
                 pages += [p for _, p in got]

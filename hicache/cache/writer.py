@@ -1,7 +1,11 @@
 """StorageWriter: a background thread that writes pages to a storage tier in batches.
 
-submit() never blocks: it queues what fits under max_queue and hands back the rest, so an
-offload reply never waits on storage. The thread takes up to batch_pages jobs at a time,
+submit() queues what fits under max_queue. When the queue is full it waits for room while
+the writer is making progress (a batch finished or started within STALL_S), for at most
+wait_s: a burst of offloads is slowed to the tier's pace instead of losing its writes. A
+writer that makes no progress (a hung Redis, a stalled disk) is not waited for: what does
+not fit is handed back at once (the caller drops and counts it), so an offload reply never
+waits on a tier that is not writing. The thread takes up to batch_pages jobs at a time,
 gets each job's bytes (given, or read from the host page by the `read` callback, outside
 any cache lock), calls tier.batch_set once (after one batch_contains for jobs to write only
 if the tier lost the key), and reports per-job success to `done`.
@@ -16,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hicache.storage.base import Payload, StorageTier
+
+STALL_S = 0.5  # a writer that has not started or finished a batch for this long is stalled
 
 
 @dataclass
@@ -45,12 +51,15 @@ class StorageWriter:
         *,
         max_queue: int = 1024,
         batch_pages: int = 32,
+        wait_s: float = 10.0,
         name: str = "hicache-storage-writer",
     ):
         if max_queue < 1 or batch_pages < 1:
             raise ValueError(f"max_queue and batch_pages must be >= 1, got {max_queue} and {batch_pages}")
         self.tier, self._read, self._done = tier, read, done
-        self.max_queue, self.batch_pages = max_queue, batch_pages
+        self.max_queue, self.batch_pages, self.wait_s = max_queue, batch_pages, wait_s
+        self._progress = time.monotonic()  # when the thread last started or finished a batch
+        self._batches = 0  # batches finished
         self._cond = threading.Condition()  # guards _queue, _busy, _closed
         self._queue: deque[WriteJob] = deque()
         self._busy = 0  # jobs taken off the queue and not yet reported
@@ -67,14 +76,35 @@ class StorageWriter:
             return len(self._queue) + self._busy
 
     def submit(self, jobs: Sequence[WriteJob]) -> list[WriteJob]:
-        """Queue as many jobs as fit; return the ones that did not (the caller drops them)."""
+        """Queue the jobs, waiting for room while the writer makes progress (at most wait_s);
+        return the ones that did not fit (the caller drops them)."""
+        taken = 0
+        deadline = time.monotonic() + self.wait_s
         with self._cond:
-            if self._closed:
-                return list(jobs)
-            room = max(0, self.max_queue - len(self._queue) - self._busy)
-            self._queue.extend(jobs[:room])
-            self._cond.notify()
-        return list(jobs[room:])
+            while not self._closed:
+                room = max(0, self.max_queue - len(self._queue) - self._busy)
+                self._queue.extend(jobs[taken : taken + room])
+                taken = min(len(jobs), taken + room)
+                self._cond.notify_all()
+                now = time.monotonic()
+                if taken == len(jobs) or now >= deadline or now - self._progress > STALL_S:
+                    break
+                self._cond.wait(min(STALL_S / 5, deadline - now))
+        return list(jobs[taken:])
+
+    def wait_written(self, timeout: float) -> bool:
+        """Wait until the writer finishes a batch: True when it did, False when it has
+        nothing to write, is stalled (see STALL_S) or `timeout` s pass first."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            seen = self._batches
+            while self._batches == seen:
+                now = time.monotonic()
+                idle = not self._queue and not self._busy
+                if idle or self._closed or now >= deadline or now - self._progress > STALL_S:
+                    return False
+                self._cond.wait(min(STALL_S / 5, deadline - now))
+        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued job is written; False if `timeout` seconds pass first."""
@@ -108,12 +138,15 @@ class StorageWriter:
                     return
                 batch = [self._queue.popleft() for _ in range(min(self.batch_pages, len(self._queue)))]
                 self._busy += len(batch)
+                self._progress = time.monotonic()
             ok = self._write(batch)
             try:
                 self._done(batch, ok)
             finally:
                 with self._cond:
                     self._busy -= len(batch)
+                    self._progress = time.monotonic()
+                    self._batches += 1
                     self._cond.notify_all()
 
     def _write(self, batch: list[WriteJob]) -> list[bool]:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hicache.memory.buffer import MemoryHandle, SharedBuffer, check_nbytes, shrunk
-from hicache.memory.vm import drop_mapping, libc_mmap, punch_holes, punch_path
+from hicache.memory.vm import drop_mapping, map_read_only, punch_holes, punch_path
 
 if TYPE_CHECKING:
     import torch
@@ -262,7 +262,7 @@ def open_shm(name: str, nbytes: int, *, read_only: bool = False) -> SharedBuffer
             raise ValueError(f"shared memory {name!r} is not a regular file")
         if st.st_size != nbytes:
             raise ValueError(f"shared memory {name!r} holds {st.st_size} bytes, expected {nbytes}")
-        tensor = _map_read_only(fd, nbytes) if read_only else _map_shared(fd, path, nbytes)
+        tensor = map_read_only(fd, nbytes) if read_only else _map_shared(fd, path, nbytes)
     except BaseException:
         os.close(fd)
         raise
@@ -282,17 +282,6 @@ def _map_shared(fd: int, path: str, nbytes: int) -> torch.Tensor:
 
     source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path  # Linux: the open file
     return torch.from_file(source, shared=True, size=nbytes, dtype=torch.uint8)
-
-
-def _map_read_only(fd: int, nbytes: int) -> torch.Tensor:
-    """A PROT_READ mapping of `fd` as a tensor that does not own it (release drops it)."""
-    import ctypes
-    import mmap
-
-    import torch
-
-    base = libc_mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(base), dtype=torch.uint8)
 
 
 def _unlink(path: str) -> None:

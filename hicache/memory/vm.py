@@ -15,6 +15,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -38,6 +42,15 @@ def libc_mmap(addr: int | None, length: int, prot: int, flags: int, fd: int, off
 
 def munmap(addr: int, length: int) -> None:
     _libc.munmap(addr, length)
+
+
+def map_read_only(fd: int, nbytes: int) -> torch.Tensor:
+    """A PROT_READ, MAP_SHARED mapping of `fd` as a flat uint8 tensor that does not own it
+    (drop_mapping releases it; a write through it faults). Raises OSError."""
+    import torch
+
+    base = libc_mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(base), dtype=torch.uint8)
 
 
 def drop_mapping(addr: int, length: int) -> None:

@@ -163,6 +163,12 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
         copy_path=s.copy_path,
         cache_id=s.cache_id,
         cache_members=s.cache_members,
+        offload_stored=s.offload_stored,
+        offload_deduplicated=s.offload_deduplicated,
+        offload_no_space=s.offload_no_space,
+        writes_done=s.writes_done,
+        writes_dropped=s.writes_dropped,
+        write_failures=s.write_failures,
     )
 
 
@@ -195,6 +201,12 @@ def stats_from_pb(m: pb.PoolStats) -> PoolStats:
         m.copy_path or "sidecar",
         m.cache_id,
         m.cache_members or 1,
+        m.offload_stored,
+        m.offload_deduplicated,
+        m.offload_no_space,
+        m.writes_done,
+        m.writes_dropped,
+        m.write_failures,
     )
 
 

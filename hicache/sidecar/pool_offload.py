@@ -12,6 +12,7 @@ from hicache.api import (
     KeyStatus,
     TransferResult,
 )
+from hicache.cache.offload import ROOM_WAIT_S
 from hicache.sidecar.operations import (
     offload_statuses,
 )
@@ -86,23 +87,34 @@ class PoolOffloads(PoolState):
         return lambda stream: events.wait(index, stream)
 
     def _offload(self, ks: list[bytes], pages: list[int], ready: StreamHook | None = None) -> TransferResult:
+        """Copy what the host has room for; while pages queued for storage fill the host, wait
+        for their writes (the tier's pace, at most ROOM_WAIT_S in all) and copy the rest."""
         where = dict(zip(ks, pages, strict=True))
-        res = self.cache.reserve(ks, partial=True)
-        assert res is not None
-        t0 = time.perf_counter()
-        try:
-            nbytes = self._copier.offload([where[k] for k, _ in res.new], [p for _, p in res.new], ready=ready)
-        except BaseException:
-            self.cache.abort(res)
-            raise
-        self.cache.commit(res)
-        seconds = time.perf_counter() - t0
-        statuses = offload_statuses(res, ks)
+        statuses: dict[bytes, KeyStatus] = {}
+        nbytes, deadline, todo = 0, time.monotonic() + ROOM_WAIT_S, ks
+        while True:
+            res = self.cache.reserve(todo, partial=True)
+            assert res is not None
+            t0 = time.perf_counter()
+            try:
+                n = self._copier.offload([where[k] for k, _ in res.new], [p for _, p in res.new], ready=ready)
+            except BaseException:
+                self.cache.abort(res)
+                raise
+            self.cache.commit(res)
+            nbytes += n
+            seconds = time.perf_counter() - t0
+            statuses.update(zip(todo, offload_statuses(res, todo), strict=True))
+            with self.lock:
+                c = self.counters
+                c.offload_bytes += n
+                c.offload_s += seconds if res.new else 0.0
+                c.stored += len(res.new)
+                c.deduplicated += len(res.existing) + len(res.pending)
+            todo = res.refused
+            left = deadline - time.monotonic()
+            if not todo or left <= 0 or not self.cache.wait_for_room(left):
+                break
         with self.lock:
-            c = self.counters
-            c.offload_bytes += nbytes
-            c.offload_s += seconds if res.new else 0.0
-            c.stored += len(res.new)
-            c.deduplicated += len(res.existing) + len(res.pending)
-            c.no_space += len(res.refused)
-        return TransferResult(statuses, nbytes)
+            self.counters.no_space += len(todo)
+        return TransferResult(tuple(statuses[k] for k in ks), nbytes)

@@ -85,4 +85,10 @@ def pool_stats(
         copy_path,
         cache_id,
         cache_members,
+        c.stored,
+        c.deduplicated,
+        c.no_space,
+        cs["writes_done"],
+        cs["writes_dropped"],
+        cs["write_failures"],
     )

@@ -102,7 +102,7 @@ def check_extra(backend: str, extra: Mapping[str, Any], also: tuple[str, ...] = 
         file.check_options(
             extra.get("dir") or default_file_dir(),
             extra.get("max_bytes"),
-            extra.get("fsync", True),
+            extra.get("fsync", False),
             extra.get("read_threads", file.DEFAULT_READ_THREADS),
         )
     if backend == "redis":
@@ -140,7 +140,7 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
         from hicache.storage.file import DEFAULT_READ_THREADS, FileTier
 
         directory = Path(extra.get("dir") or default_file_dir()).resolve()
-        max_bytes, fsync = extra.get("max_bytes"), extra.get("fsync", True)
+        max_bytes, fsync = extra.get("max_bytes"), extra.get("fsync", False)
         readers = extra.get("read_threads", DEFAULT_READ_THREADS)
         with _FILE_TIERS_LOCK:  # one FileTier (one index, one cap) per folder and identity
             shared = (directory, identity, max_bytes, fsync, readers)

@@ -77,7 +77,7 @@ class FileTier(FileReads, FileWrites):
         directory: str | os.PathLike[str],
         *,
         max_bytes: int | None = None,
-        fsync: bool | str = True,
+        fsync: bool | str = False,
         read_threads: int = DEFAULT_READ_THREADS,
     ):
         super().__init__(identity)

@@ -1,5 +1,6 @@
 """HierarchicalCache: eviction and pins, write policies, load from storage, real backends."""
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -331,3 +332,20 @@ def test_a_key_bound_above_a_shrunken_line_stays_resident_through_reserve(build)
     cache.check_integrity()
     assert cache.flush(30)
     assert cache.resize_host(1) == [page] and ks[1] not in cache.index  # its page goes back at last
+
+
+def test_a_burst_waits_for_a_slow_tier_that_keeps_writing_and_drops_nothing(build):
+    g = GEOMETRIES["mimo_fp4"]
+
+    class SlowTier(MemoryTier):
+        def batch_set(self, items):  # type: ignore[no-untyped-def]
+            time.sleep(0.005)  # a disk slower than the offloads, but writing
+            return super().batch_set(items)
+
+    tier = SlowTier(identity(g))
+    cache = build("mimo_fp4", 64, tier, write_policy="write_through", max_write_queue=2, write_batch_pages=1)
+    assert cache.put([key(i) for i in range(40)], [payload(g, i) for i in range(40)])
+    assert cache.flush(60)
+    s = cache.stats()
+    assert s["writes_dropped"] == 0 and s["writes_done"] == 40 and len(tier.pages) == 40
+    cache.check_integrity()

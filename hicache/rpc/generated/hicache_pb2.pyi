@@ -359,7 +359,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "group", "namespace", "model_id", "device_pages", "host_pages", "used_pages", "pinned_pages", "page_bytes", "tiers", "offload_bytes", "offload_gbps", "reload_bytes", "reload_gbps", "ops_in_flight", "storage_backend", "storage_healthy", "storage_write_queue", "copy_backend", "storage_nodes_down", "write_policy", "copy_path", "cache_id", "cache_members")
+    __slots__ = ("pool_id", "group", "namespace", "model_id", "device_pages", "host_pages", "used_pages", "pinned_pages", "page_bytes", "tiers", "offload_bytes", "offload_gbps", "reload_bytes", "reload_gbps", "ops_in_flight", "storage_backend", "storage_healthy", "storage_write_queue", "copy_backend", "storage_nodes_down", "write_policy", "copy_path", "cache_id", "cache_members", "offload_stored", "offload_deduplicated", "offload_no_space", "writes_done", "writes_dropped", "write_failures")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +384,12 @@ class PoolStats(_message.Message):
     COPY_PATH_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_STORED_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_NO_SPACE_FIELD_NUMBER: _ClassVar[int]
+    WRITES_DONE_FIELD_NUMBER: _ClassVar[int]
+    WRITES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     group: str
     namespace: str
@@ -408,7 +414,13 @@ class PoolStats(_message.Message):
     copy_path: str
     cache_id: str
     cache_members: int
-    def __init__(self, pool_id: _Optional[str] = ..., group: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., device_pages: _Optional[int] = ..., host_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offload_bytes: _Optional[int] = ..., offload_gbps: _Optional[float] = ..., reload_bytes: _Optional[int] = ..., reload_gbps: _Optional[float] = ..., ops_in_flight: _Optional[int] = ..., storage_backend: _Optional[str] = ..., storage_healthy: _Optional[bool] = ..., storage_write_queue: _Optional[int] = ..., copy_backend: _Optional[str] = ..., storage_nodes_down: _Optional[_Iterable[str]] = ..., write_policy: _Optional[str] = ..., copy_path: _Optional[str] = ..., cache_id: _Optional[str] = ..., cache_members: _Optional[int] = ...) -> None: ...
+    offload_stored: int
+    offload_deduplicated: int
+    offload_no_space: int
+    writes_done: int
+    writes_dropped: int
+    write_failures: int
+    def __init__(self, pool_id: _Optional[str] = ..., group: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., device_pages: _Optional[int] = ..., host_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offload_bytes: _Optional[int] = ..., offload_gbps: _Optional[float] = ..., reload_bytes: _Optional[int] = ..., reload_gbps: _Optional[float] = ..., ops_in_flight: _Optional[int] = ..., storage_backend: _Optional[str] = ..., storage_healthy: _Optional[bool] = ..., storage_write_queue: _Optional[int] = ..., copy_backend: _Optional[str] = ..., storage_nodes_down: _Optional[_Iterable[str]] = ..., write_policy: _Optional[str] = ..., copy_path: _Optional[str] = ..., cache_id: _Optional[str] = ..., cache_members: _Optional[int] = ..., offload_stored: _Optional[int] = ..., offload_deduplicated: _Optional[int] = ..., offload_no_space: _Optional[int] = ..., writes_done: _Optional[int] = ..., writes_dropped: _Optional[int] = ..., write_failures: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("pools", "ops_in_flight")
