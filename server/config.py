@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=32,
         help="most pools of one namespace (RegisterPool's namespace) at once: one tenant cannot take every slot",
     )
+    p.add_argument("--max-pin-share", type=float, default=0.5, help="share of its host cache one pool may pin")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
     p.add_argument(
         "--workers",
@@ -272,6 +273,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         max_batch=args.max_batch,
         max_pools=args.max_pools,
         max_pools_per_namespace=args.max_pools_per_namespace,
+        max_pin_share=args.max_pin_share,
     )
     config = ServerConfig(
         socket=args.socket or default_socket_path(),

@@ -12,7 +12,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from hicache.sidecar.errors import StateError, UnknownId
+from hicache.sidecar.errors import QuotaExceeded, StateError, UnknownId
 
 log = logging.getLogger("hicache.server")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -31,7 +31,7 @@ def abort_for(exc: BaseException, context: grpc.ServicerContext) -> NoReturn:
         context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else "not found")
     if isinstance(exc, StateError):
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-    if isinstance(exc, Exhausted):
+    if isinstance(exc, Exhausted | QuotaExceeded):
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, Forbidden):
         context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))

@@ -49,6 +49,7 @@ class ServiceConfig:
     max_batch: int = 65536
     max_pools: int = 64
     max_pools_per_namespace: int = 32  # one tenant (or one careless engine) cannot take every slot
+    max_pin_share: float = 0.5  # the share of its host cache's pages one pool may pin (--max-pin-share)
     request_cache_size: int = 4096
     finished_ops_kept: int = 256
     io_backend: str = "auto"  # SGLang's --hicache-io-backend: direct (torch copies), kernel (Triton), auto
@@ -69,6 +70,8 @@ class ServiceConfig:
         for name in ("max_batch", "max_pools", "max_pools_per_namespace", "request_cache_size", "finished_ops_kept"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.max_pin_share <= 1:
+            raise ValueError(f"--max-pin-share must be in (0, 1], got {self.max_pin_share!r}")
         if self.layerwise_inline_bytes < 0:
             raise ValueError(f"layerwise_inline_bytes must be >= 0, got {self.layerwise_inline_bytes}")
 

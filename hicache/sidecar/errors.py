@@ -5,6 +5,7 @@ Error policy (the servicer maps these to gRPC status codes, nothing else does):
 - UnknownId (a KeyError): an unknown pool id or operation id.
 - StateError: the call is well formed but the pool cannot take it now (closing, shut down).
 - NoSpace: returned, not raised, when a whole call cannot proceed for lack of memory.
+- QuotaExceeded: a call that would take a pool past its share of something shared (pins).
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from dataclasses import dataclass
 
 class StateError(RuntimeError):
     """The pool or service is in a state that refuses the call (closing, shut down)."""
+
+
+class QuotaExceeded(Exception):
+    """A call that would take a pool past its share (RESOURCE_EXHAUSTED over gRPC); the
+    message names the flag that sets the share. Nothing was changed."""
 
 
 class UnknownId(KeyError):

@@ -20,6 +20,7 @@ from hicache.api import (
     Tier,
 )
 from hicache.cache.prefetch import PrefetchHandle
+from hicache.sidecar.errors import QuotaExceeded
 from hicache.sidecar.operations import (
     Operation,
     prefetch_statuses,
@@ -88,9 +89,19 @@ class RegisteredPool(PoolOffloads, PoolReloads):
 
     def pin(self, keys: Sequence[bytes]) -> tuple[KeyStatus, ...]:
         """Pin each resident key (PINNED, else NOT_FOUND). The pins are this pool's: other
-        members of its host cache cannot unpin them, and they go when this pool does."""
+        members of its host cache cannot unpin them, and they go when this pool does. Raises
+        QuotaExceeded, pinning nothing, when this pool would pin more distinct pages than
+        its max_pin_share of the cache's host pages."""
         ks = self.check_keys(keys)
         with self._in_flight(), self._pin_lock:
+            cap = max(1, int(self.max_pin_share * self.shared.host_pages))
+            here = {k for k, there in zip(ks, self.cache.resident(ks), strict=True) if there}
+            wanted = len(self._pins.keys() | here)
+            if wanted > cap:
+                raise QuotaExceeded(
+                    f"pool {self.identity.pool_id} would pin {wanted} pages; one pool may pin {cap} of its host "
+                    f"cache's {self.shared.host_pages} (--max-pin-share {self.max_pin_share:g})"
+                )
             got = self.cache.pin_each(ks)
             self._pins.update(k for k, s in zip(ks, got, strict=True) if s == "pinned")
         return tuple(KeyStatus[s.upper()] for s in got)

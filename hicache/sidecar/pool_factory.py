@@ -158,6 +158,7 @@ def join_pool(
         device_pages=req.device_pages,
         grant_ttl_s=config.lease_timeout_s,
         window=parts.window,
+        max_pin_share=config.max_pin_share,
     )
     if parts.tier is not None:
         with contextlib.suppress(Exception):

@@ -50,6 +50,7 @@ class PoolState:
         device_pages: int = 0,
         grant_ttl_s: float = 30.0,
         window: HostKVPool | None = None,
+        max_pin_share: float = 1.0,
     ):
         """`shared`: the host cache it joins (hicache.sidecar.shared_cache); StateError if that
         is closing. `events`: where the pool publishes KV events (registered now, unregistered
@@ -70,6 +71,7 @@ class PoolState:
         self.device_pages = device.num_pages if device is not None else device_pages
         self.copy_path = "sidecar" if device is not None else "engine"
         self.grants = CopyGrants(cache, grant_ttl_s, clock, window)
+        self.max_pin_share = max_pin_share  # of its host cache's pages, pinned by this pool
         self.max_batch = max_batch
         self.counters = Counters()
         self.lock = threading.Lock()
