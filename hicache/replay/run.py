@@ -186,7 +186,8 @@ def _report(
         else:
             expected = sum(lru.hit_rate(sh, cap) * sum(r.input_tokens for r in sh) for sh in shares) / total
     answers = {k: sum(r.offload_answers[k] for r in results) for k in results[0].offload_answers}
-    storage_stats = stats[:1] if backend in SHARED_BACKENDS else stats  # a shared tier's counts are one tier's
+    tiers = stats[:1] if backend in SHARED_BACKENDS else stats  # a shared tier's pages are one tier's
+    pages_known = backend != "none" and all(st.tiers[1].capacity_bytes or st.tiers[1].pages for st in tiers)
     latencies = sorted(x for r in results for x in r.latencies_s)
     moved = sum(r.pages_reloaded + r.pages_offloaded for r in results)
     return {
@@ -203,12 +204,12 @@ def _report(
         "lru_expectation": {"host_only": round(host_only, 4), "host_plus_storage": round(expected, 4)},
         "ratio": round(rate["total"] / expected, 4) if expected else None,
         "offload_pages": answers,
-        "storage_writes": {
-            "done": sum(st.writes_done for st in storage_stats if backend != "none"),
+        "storage_writes": {  # each node's writer: a page two nodes offloaded is written twice
+            "done": sum(st.writes_done for st in stats),
             "dropped": sum(st.writes_dropped for st in stats),
             "failed": sum(st.write_failures for st in stats),
         },
-        "storage_pages": sum(st.tiers[1].pages for st in storage_stats),
+        "storage_pages": sum(st.tiers[1].pages for st in tiers) if pages_known else None,  # None: not counted
         "pages_per_s": round(moved / elapsed, 1) if elapsed else 0.0,
         "latency_ms": {
             "p50": round(1e3 * statistics.median(latencies), 3),
@@ -238,7 +239,8 @@ def _print(report: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"  LRU expectation      host only {lx['host_only']:.4f}  host + storage {lx['host_plus_storage']:.4f}"
           f"  ratio {r['ratio']}")  # fmt: skip
     print(f"  offloaded pages      {r['offload_pages']}")
-    print(f"  storage writes       {r['storage_writes']}  pages in storage {r['storage_pages']}")
+    held = "not counted by this tier" if r["storage_pages"] is None else r["storage_pages"]
+    print(f"  storage writes       {r['storage_writes']}  pages in storage: {held}")
     print(f"  pages/s {r['pages_per_s']}  latency p50 {r['latency_ms']['p50']} ms  p99 {r['latency_ms']['p99']} ms")
     print(f"  pages checked {r['pages_checked']}  corrupt {r['corrupt_pages']}")
     print("  LRU hit rate by size per node (tokens):  " + "  ".join(
