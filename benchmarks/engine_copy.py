@@ -4,14 +4,16 @@ a contiguous copy of the same bytes in the same run.
     python benchmarks/engine_copy.py                 # MiMo-V2-Flash full, page 64, bf16, 64 pages
     python benchmarks/engine_copy.py --pages 256 --json
 
-An engine with its KV cache in private memory registers with a `python -m server` process,
-offloads --pages pages under fresh keys and reloads them, --repeat times. Offloads are
-written into the pool's copy window and copied by the sidecar into the host pool at EndCopy
-(the window is what keeps one member from writing another's pages); reloads are copied by
-the engine straight from the host pool, mapped read-only. Reported:
-  offload_ratio / reload_ratio   memcpy time of the same bytes over the call's time (median)
-  offload_engine_share           the engine's own copy (into the window) over the call's time
-  memcpy_gbps                    dst.copy_(src) of pages * page_bytes contiguous bytes
+Two engines' pools register with one `python -m server` process: one in private memory (the
+engine copies: offloads into the pool's copy window, which the sidecar copies into the host
+pool at EndCopy, the window being what keeps one member from writing another's pages;
+reloads straight from the host pool, mapped read-only), one in shared memory (the sidecar
+copies). Each offloads --pages pages under fresh keys and reloads them, --repeat times,
+alternating. Reported (medians):
+  {engine,sidecar}_{offload,reload}_ratio  memcpy time of the same bytes over the call's time
+  engine_over_sidecar_{offload,reload}     the engine-copy call's time over the sidecar path's
+  offload_engine_share                     the engine's own copy (into the window) over its offload
+  memcpy_gbps                              dst.copy_(src) of pages * page_bytes contiguous bytes
 """
 
 from __future__ import annotations
@@ -58,17 +60,23 @@ def run(pages: int, page_size: int, repeat: int) -> dict[str, Any]:
         g = model_geometries(json.load(f), tp_size=1, page_size=page_size, dtype="bfloat16")["full"]
     folder = tempfile.mkdtemp(prefix="hcbench")
     sock = os.path.join(folder, "hc.sock")
+    host_gb = 2 * (repeat + 2) * pages * g.page_bytes / 1e9  # both pools, every round's fresh keys
     argv = [sys.executable, "-m", "server", "--socket", sock, "--model-config", str(CONFIG),
             "--page-size", str(page_size), "--kv-cache-dtype", "bfloat16", "--hicache-storage-backend", "none",
-            "--hicache-ratio", str(2 * repeat + 2), "--log-level", "WARNING"]  # fmt: skip
+            "--hicache-size", f"{host_gb:.3f}", "--log-level", "WARNING"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    times: dict[str, list[float]] = {f"{p}_{d}": [] for p in ("engine", "sidecar") for d in ("offload", "reload")}
+    shares: list[float] = []
     try:
         assert proc.stdout is not None and "serving on" in proc.stdout.readline()
-        dev = DeviceKVPool(g, pages, memory=local_buffer(g.pool_bytes(pages)))
-        dev.flat.copy_(torch.randint(0, 256, (dev.nbytes,), dtype=torch.uint8))
+        private = DeviceKVPool(g, pages, memory=local_buffer(g.pool_bytes(pages)))  # the engine copies
+        shared = DeviceKVPool(g, pages)  # shared memory: the sidecar copies
+        for dev in (private, shared):
+            dev.flat.copy_(torch.randint(0, 256, (dev.nbytes,), dtype=torch.uint8))
         with HiCacheClient(sock, timeout=120) as client:
-            info = client.register(dev, model_id="bench")
-            copier = client._copiers[info.pool_id]
+            pools = {path: client.register(dev, model_id=f"bench-{path}") for path, dev in
+                     (("engine", private), ("sidecar", shared))}  # fmt: skip
+            copier = client._copiers[pools["engine"].pool_id]
             engine_s: list[float] = []
             write = copier.writer.offload
 
@@ -79,38 +87,39 @@ def run(pages: int, page_size: int, repeat: int) -> dict[str, Any]:
                 return n
 
             copier.writer.offload = timed  # type: ignore[method-assign]
-            offload, reload, shares = [], [], []
-            for r in range(repeat + 1):  # the first round warms up
-                keys = client.page_keys([r] * (pages * page_size))
-                engine_s.clear()
-                t0 = time.perf_counter()
-                client.offload(keys, list(range(pages)))
-                t1 = time.perf_counter()
-                client.reload(keys, list(range(pages)))
-                t2 = time.perf_counter()
-                if r:
-                    offload.append(t1 - t0)
-                    reload.append(t2 - t1)
-                    shares.append(sum(engine_s) / (t1 - t0))
             window = copier.window.num_pages
-        dev.close()
+            for r in range(repeat + 1):  # the first round warms up; the paths alternate
+                for path, info in pools.items():
+                    keys = client.page_keys([r] * (pages * page_size), pool=info)
+                    engine_s.clear()
+                    t0 = time.perf_counter()
+                    client.offload(keys, list(range(pages)), pool=info)
+                    t1 = time.perf_counter()
+                    client.reload(keys, list(range(pages)), pool=info)
+                    t2 = time.perf_counter()
+                    if r:
+                        times[f"{path}_offload"].append(t1 - t0)
+                        times[f"{path}_reload"].append(t2 - t1)
+                        if path == "engine":
+                            shares.append(sum(engine_s) / (t1 - t0))
+        private.close()
+        shared.close()
     finally:
         proc.terminate()
         proc.wait(60)
         shutil.rmtree(folder, ignore_errors=True)
     nbytes = pages * g.page_bytes
     base = memcpy_s(nbytes, repeat)
-    return {
-        "pages": pages,
-        "page_bytes": g.page_bytes,
-        "window_pages": window,
-        "memcpy_gbps": round(nbytes / base / 1e9, 2),
-        "offload_ms": round(1e3 * statistics.median(offload), 2),
-        "reload_ms": round(1e3 * statistics.median(reload), 2),
-        "offload_ratio": round(base / statistics.median(offload), 3),
-        "reload_ratio": round(base / statistics.median(reload), 3),
-        "offload_engine_share": round(statistics.median(shares), 3),
-    }
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out: dict[str, Any] = {"pages": pages, "page_bytes": g.page_bytes, "window_pages": window}
+    out["memcpy_gbps"] = round(nbytes / base / 1e9, 2)
+    for k, v in med.items():
+        out[f"{k}_ms"] = round(1e3 * v, 2)
+        out[f"{k}_ratio"] = round(base / v, 3)
+    out["engine_over_sidecar_offload"] = round(med["engine_offload"] / med["sidecar_offload"], 3)
+    out["engine_over_sidecar_reload"] = round(med["engine_reload"] / med["sidecar_reload"], 3)
+    out["offload_engine_share"] = round(statistics.median(shares), 3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
