@@ -12,7 +12,10 @@ round 3), each against a real `python -m server` process, with what the sidecar 
    registered with a 5 s deadline, then a second pool; a caller that gives up at 0.2 s;
    one namespace registering pools until refused;
 5. absurd model configs: num_hidden_layers 10**12, and malformed JSON;
-6. SIGTERM under load: 4 engines offload 35 MiB and reload it layer-wise, 3 times.
+6. SIGTERM under load: 4 engines offload 35 MiB and reload it layer-wise, 3 times;
+7. round 4 (benchmarks/attacks_round4.py): host memory after register/unregister cycles, an
+   engine-copy grant slowed past its lease, a member writing onto another's host page, and
+   one member pinning a whole shared cache.
 """
 
 from __future__ import annotations
@@ -258,6 +261,8 @@ def sigterm_under_load(runs: int = 3) -> Outcome:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from attacks_round4 import round4
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -268,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         *host_budgets(),
         *absurd_configs(),
         ("SIGTERM under load", sigterm_under_load()),
+        *round4(),
     ]
     if args.json:
         print(json.dumps([{"attack": a, "outcome": o, "held": h} for a, (o, h) in results], indent=2))
