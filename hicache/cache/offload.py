@@ -8,6 +8,7 @@ cache's locking rules: pages are reserved under the lock, filled outside it, bou
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 from hicache.cache.fetch import unique_keys
@@ -53,6 +54,19 @@ class OffloadMixin(WritePolicyMixin):
             if not self._queued:
                 return False
         return self._writer.wait_written(timeout)
+
+    def wait_for_room_for(self, keys: Sequence[bytes], timeout: float) -> None:
+        """Wait (wait_for_room, `timeout` s in all) until the host has room for the keys of
+        `keys` not on it yet, or no storage write can free a page any more."""
+        deadline = time.monotonic() + timeout
+        keys = unique_keys(keys)
+        while True:
+            with self._lock:
+                need = sum(1 for k in keys if k not in self.index and k not in self._pending)
+                if need <= self._room_locked(keys):
+                    return
+            if not self.wait_for_room(deadline - time.monotonic()):
+                return
 
     def commit(self, reservation: Reservation) -> None:
         """The data of reservation.new is in its pages: make the keys resident and apply the

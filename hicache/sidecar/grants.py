@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from hicache.api import CopyGrant, KeyStatus
+from hicache.cache.offload import ROOM_WAIT_S
 from hicache.cache.results import Reservation
 from hicache.cache.tiering import HierarchicalCache
 from hicache.sidecar.errors import UnknownId
@@ -89,8 +90,9 @@ class CopyGrants:
     def offload(self, keys: list[bytes]) -> CopyGrant:
         """Reserve host pages for the keys not held yet: STORED (granted: copy it into the
         window slot the grant names, then commit), DEDUPLICATED (held or being filled),
-        NO_SPACE (no room in the host cache, or no free window slot). Raises ValueError for
-        a pool without a window, or more keys than the window holds."""
+        NO_SPACE (no room in the host cache, or no free window slot). Host pages that wait
+        for their storage writes are waited for first (ROOM_WAIT_S at most). Raises
+        ValueError for a pool without a window, or more keys than the window holds."""
         if self.window is None:
             raise ValueError("this pool's memory is mapped by the sidecar: offload it with Offload, not BeginCopy")
         if len(keys) > self.window.num_pages:
@@ -98,6 +100,7 @@ class CopyGrants:
                 f"{len(keys)} keys in one offload grant, but the copy window holds {self.window.num_pages} pages: "
                 "split the offload"
             )
+        self.cache.wait_for_room_for(keys, ROOM_WAIT_S)  # host pages waiting for their storage writes
         res = self.cache.reserve(keys, partial=True)
         assert res is not None
         statuses = offload_statuses(res, keys)

@@ -24,13 +24,14 @@ from sidecar_util import start_in_process as start
 from hicache.api import KeyStatus, Tier
 from hicache.cache.config import HiCacheConfig
 from hicache.client import HiCacheClient
-from hicache.memory import local_buffer
+from hicache.memory import MemoryHandle, local_buffer
 from hicache.pools import DeviceKVPool
 from hicache.sidecar import grants
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE_S = 1.0
 SLOW_S = 2.5  # the engine's copy: past the lease, while its KeepAlives go on
+ENGINE = MemoryHandle("engine", 0)
 
 
 @pytest.fixture
@@ -246,3 +247,33 @@ def test_a_write_into_the_window_after_its_grant_ended_changes_no_host_page(sock
         a.close()
         b.close()
         srv.stop(0)
+
+
+def test_an_engine_copy_offload_waits_for_host_pages_queued_for_storage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hicache.sidecar.config import ServiceConfig
+    from hicache.sidecar.service import HiCacheService
+    from hicache.storage.file import FileTier
+
+    write = FileTier.batch_set
+
+    def slow(self: FileTier, items: Any) -> list[bool]:
+        time.sleep(0.05)  # a disk behind the offloads, but writing
+        return write(self, items)
+
+    monkeypatch.setattr(FileTier, "batch_set", slow)
+    hierarchy = HiCacheConfig(ratio=1.0, storage_backend="file", extra_config={"dir": str(tmp_path / "tier")})
+    svc = HiCacheService(ServiceConfig(hierarchy=hierarchy))
+    try:
+        info = svc.register("r", geometry=mimo_full(), device_pages=8, device_memory=ENGINE, model_id="m")
+        pid = info.pool_id  # type: ignore[union-attr]
+        for seed in (1, 2):  # the second batch finds every host page queued for its write
+            grant = svc.begin_copy(f"b{seed}", pid, keys_for(8, seed=seed), offload=True)
+            assert grant.statuses == (KeyStatus.STORED,) * 8, (seed, grant.statuses)
+            svc.end_copy(f"e{seed}", pid, grant.grant_id, commit=True)
+        (st,) = svc.stats(pid)
+        assert st.offload_no_space == 0 and st.writes_dropped == 0
+        svc.check_integrity()
+    finally:
+        svc.close()
