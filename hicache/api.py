@@ -58,7 +58,7 @@ class PoolInfo:
     # CUDA pools: the layer events' IPC handles (layer_event_slots x layer_num, slot-major)
     layer_event_handles: tuple[bytes, ...] = ()
     layer_event_slots: int = 0
-    # memory kind "engine": the copy window the engine offloads into (see sidecar.grants)
+    # the copy window an engine copying itself (BeginCopy) offloads into (see sidecar.grants)
     window_shm_name: str = ""
     window_pages: int = 0
 

@@ -38,7 +38,7 @@ class RegisteredPool:
     lease_timeout_s: float
     secret: str = field(default="", repr=False)  # sent with every call naming the pool
     progress_shm_name: str = ""  # the pool's progress block (layer-wise reloads), "" for none
-    window_shm_name: str = ""  # memory kind "engine": the copy window offloads are written into
+    window_shm_name: str = ""  # the copy window BeginCopy's offloads are written into
     window_pages: int = 0
 
 

@@ -45,11 +45,13 @@ if TYPE_CHECKING:  # torch: the service loads it with the first pool
 log = logging.getLogger("hicache.sidecar.service")
 
 WINDOW_BYTES = 32 << 20  # an engine-copy pool's copy window (at least one page)
+MAPPED_WINDOW_BYTES = 4 << 20  # a pool the sidecar maps: BeginCopy is its rare path (SGLang's flat pages)
 
 
-def window_pages(page_bytes: int, device_pages: int) -> int:
-    """The pages of a copy window for a pool of device_pages pages of page_bytes each."""
-    return max(1, min(device_pages, WINDOW_BYTES // page_bytes))
+def window_pages(page_bytes: int, device_pages: int, *, engine_copies: bool) -> int:
+    """The pages of the copy window of a pool of device_pages pages of page_bytes each."""
+    nbytes = WINDOW_BYTES if engine_copies else MAPPED_WINDOW_BYTES
+    return max(1, min(device_pages, nbytes // page_bytes))
 
 
 @dataclass

@@ -37,7 +37,7 @@ class PoolParts:
     device: DeviceKVPool | None  # None: the engine copies itself (memory kind "engine")
     offload_events: OpenedIpcEvents | None
     tier: StorageTier | None  # None: made for a pool expected to join a live host cache
-    window: HostKVPool | None = None  # memory kind "engine": the copy window (see sidecar.grants)
+    window: HostKVPool | None = None  # the copy window BeginCopy's offloads write (see sidecar.grants)
 
     def close(self) -> None:
         with contextlib.ExitStack() as undo:  # each one closed, even if another raises
@@ -65,11 +65,9 @@ def make_parts(
     nothing left open."""
     with contextlib.ExitStack() as undo:
         device: DeviceKVPool | None = None
-        window: HostKVPool | None = None
-        if req.device_memory.kind == "engine":  # nothing to map: the engine copies, through a window
-            pages = window_pages(req.geometry.page_bytes, req.device_pages)
-            window = HostKVPool(req.geometry, pages, config.host_layout)
-            undo.callback(window.close)
+        engine_copies = req.device_memory.kind == "engine"
+        if engine_copies:
+            pass  # nothing to map: the engine copies, through its window and the host pool
         elif req.device_layout:
             device = map_engine_layout(
                 req.geometry, req.device_pages, req.device_memory, req.device_layout, fds, ipc, req.cuda_device
@@ -78,6 +76,9 @@ def make_parts(
             device = map_device(req.geometry, req.device_pages, req.device_memory, req.cuda_device, ipc)
         if device is not None:
             undo.callback(device.close)
+        pages = window_pages(req.geometry.page_bytes, req.device_pages, engine_copies=engine_copies)
+        window = HostKVPool(req.geometry, pages, config.host_layout)  # what BeginCopy's offloads write
+        undo.callback(window.close)
         offload_events = None
         if req.offload_events:
             offload_events = OpenedIpcEvents(req.offload_events, req.cuda_device, "offload_event_handles")

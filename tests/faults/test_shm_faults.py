@@ -254,7 +254,8 @@ def test_kill_9_loops_of_sidecars_and_engines_leave_no_shared_memory_behind(sock
             info = client.register(dev, model_id="m")
             assert _settle(engines, set()) == set()
             # the dead engines' host pools went when their leases ran out: only this one is left
-            mine = {info.host_shm_name, info.progress_shm_name} - {""}  # its host pool and progress block
+            # its host pool, copy window and progress block
+            mine = {info.host_shm_name, info.window_shm_name, info.progress_shm_name} - {""}
             assert _settle({proc.pid}, mine) == mine
         assert _settle({proc.pid}, set()) == set()
     finally:

@@ -119,23 +119,24 @@ def test_a_copy_that_fails_midway_publishes_nothing_and_gives_its_pages_back(tmp
         pool = mimo_full("page_first")
         backend = create(storage_config(model_dir(tmp_path, "mimo_v2_flash"), target, layout="page_first"), pool)
         link = backend.links["kv"]
-        engine = backend.client._copiers[link.pool_id].engine
+        copier = backend.client._copiers[link.pool_id]
+        engine, writer = copier.engine, copier.writer  # reloads from the host pool, offloads into the window
         fill(pool, seed=8)
         keys = keys_for(list(range(3 * 16)))
         src = alloc(pool, 3)
         want = [page_bytes(pool, p) for p in pages_of(src)]
-        offload, reload = engine.offload, engine.reload
+        offload, reload = writer.offload, engine.reload
 
         def offload_one_then_fail(device_pages: list[int], host_pages: list[int], **kw: Any) -> int:
             offload(device_pages[:1], host_pages[:1])  # one page is in the sidecar's memory ...
             raise RuntimeError("copy failed midway")  # ... and then the copy fails
 
-        engine.offload = offload_one_then_fail
+        writer.offload = offload_one_then_fail
         assert backend.batch_set_v1(keys, src) == [False] * 3
         assert backend.batch_exists(keys) == 0  # not even the page that was copied
         stats = backend.client.stats(pool=link.pool_id)[0]
         assert stats.used_pages == 0 and stats.tiers[1].pages == 0  # nothing held, nothing stored
-        engine.offload = offload
+        writer.offload = offload
         assert backend.batch_set_v1(keys, src) == [True] * 3
 
         def fail_reload(*args: Any, **kw: Any) -> int:
@@ -164,13 +165,13 @@ KILLED_MID_COPY = textwrap.dedent(
     pool = mimo_full("page_first")
     backend = create(storage_config(sys.argv[2], sys.argv[1], layout="page_first", timeout_s=30), pool)
     link = backend.links["kv"]
-    engine = backend.client._copiers[link.pool_id].engine
-    offload = engine.offload
+    writer = backend.client._copiers[link.pool_id].writer  # offloads go into the pool's window
+    offload = writer.offload
     def killed(device_pages, host_pages, **kw):
         offload(device_pages[:1], host_pages[:1])  # one page copied, then the process dies
         print(json.dumps([link.pool_id, link.info.secret]), flush=True)
         os._exit(9)
-    engine.offload = killed
+    writer.offload = killed
     fill(pool, seed=9)
     backend.batch_set_v1(keys_for(list(range(3 * 16))), alloc(pool, 3))
     """
