@@ -91,13 +91,15 @@ class RegisteredPool(PoolOffloads, PoolReloads):
         """Pin each resident key (PINNED, else NOT_FOUND). The pins are this pool's: other
         members of its host cache cannot unpin them, and they go when this pool does. Raises
         QuotaExceeded, pinning nothing, when this pool would pin more distinct pages than
-        its max_pin_share of the cache's host pages."""
+        its max_pin_share of the cache's host pages while it shares the cache with another
+        pool (alone, its pins crowd out nobody but itself: vLLM's connector pins what it is
+        about to load)."""
         ks = self.check_keys(keys)
         with self._in_flight(), self._pin_lock:
             cap = max(1, int(self.max_pin_share * self.shared.host_pages))
             here = {k for k, there in zip(ks, self.cache.resident(ks), strict=True) if there}
             wanted = len(self._pins.keys() | here)
-            if wanted > cap:
+            if wanted > cap and self.shared.members > 1:
                 raise QuotaExceeded(
                     f"pool {self.identity.pool_id} would pin {wanted} pages; one pool may pin {cap} of its host "
                     f"cache's {self.shared.host_pages} (--max-pin-share {self.max_pin_share:g})"

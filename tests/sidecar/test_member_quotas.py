@@ -32,6 +32,11 @@ def test_a_member_pins_at_most_its_share_and_the_others_keep_room() -> None:
         assert isinstance(ia, PoolInfo) and isinstance(ib, PoolInfo) and svc.stats(ia.pool_id)[0].host_pages == 16
         ks = keys_for(16, seed=3)
         assert svc.offload("o1", ia.pool_id, ks[:8], list(range(8))).statuses == (S.STORED,) * 8
+        assert svc.unregister("u", ib.pool_id)  # alone in its cache, a pool may pin all of it
+        assert svc.pin("p0", ia.pool_id, ks[:8]) == (S.PINNED,) * 8
+        assert svc.unpin("u0", ia.pool_id, ks[:8]) == (S.UNPINNED,) * 8
+        ib = svc.register(uuid.uuid4().hex, geometry=b.geometry, device_pages=8, device_memory=b.handle, model_id=MODEL)
+        assert isinstance(ib, PoolInfo)
         assert svc.offload("o2", ia.pool_id, ks[8:], list(range(8))).statuses == (S.STORED,) * 8
         assert svc.pin("p1", ia.pool_id, ks[:6]) == (S.PINNED,) * 6
         with pytest.raises(
@@ -56,9 +61,10 @@ def test_the_refusal_is_resource_exhausted_over_grpc_and_the_flag_is_checked() -
         ServiceConfig(max_pin_share=0)
     sockdir = tempfile.mkdtemp(prefix="hc")
     srv, address = start(sockdir, max_pin_share=0.25, hierarchy=HiCacheConfig(ratio=1.0))
-    dev = filled_device(8, seed=5)
+    dev, other = filled_device(8, seed=5), filled_device(8, seed=7)
     try:
-        with HiCacheClient(address, timeout=30) as client:
+        with HiCacheClient(address, timeout=30) as client, HiCacheClient(address, timeout=30) as neighbour:
+            neighbour.register(other, model_id=MODEL)  # the cache is shared
             client.register(dev, model_id=MODEL)
             ks = keys_for(8, seed=6)
             assert client.offload(ks, list(range(8))).statuses == (S.STORED,) * 8
@@ -68,4 +74,5 @@ def test_the_refusal_is_resource_exhausted_over_grpc_and_the_flag_is_checked() -
     finally:
         srv.stop(0)
         dev.close()
+        other.close()
         shutil.rmtree(sockdir, ignore_errors=True)

@@ -104,8 +104,7 @@ def test_a_small_layerwise_reload_is_copied_before_the_answer(setup):
 
 
 def test_no_space_is_per_key_and_resident_keys_survive():
-    # 8 device pages -> 4 host pages, every one of which the pool may pin
-    svc = make_service(hierarchy=HiCacheConfig(storage_backend="none", ratio=0.5), max_pin_share=1.0)
+    svc = make_service(hierarchy=HiCacheConfig(storage_backend="none", ratio=0.5))  # 8 device pages -> 4 host pages
     dev = filled_device(8)
     info = register(svc, dev)
     assert info.host_pages == 4
