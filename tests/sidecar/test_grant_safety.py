@@ -105,21 +105,29 @@ def test_an_offload_slowed_past_the_lease_keeps_its_pages_from_another_members_o
         srv.stop(0)
 
 
+def slow_reload_started(a: HiCacheClient, dev: DeviceKVPool, seed: int) -> tuple[Any, list[bytes], Any, list[Any]]:
+    """Register `dev`, offload 4 keys from pages 0-3, and start (in a thread) their reload
+    into pages 4-7, slowed past the lease; returns once the slowed copy has begun: (pool,
+    keys, thread, [the reload's result, once the thread is done])."""
+    pa = a.register(dev, model_id="m")
+    keys = keys_for(4, seed=seed)
+    assert a.offload(keys, [0, 1, 2, 3], pool=pa).statuses == (KeyStatus.STORED,) * 4
+    copier = a._copiers[pa.pool_id]
+    started = threading.Event()
+    copier.engine.reload = slowed(copier.engine.reload, started)  # type: ignore[method-assign]
+    result: list[Any] = []
+    t = threading.Thread(target=lambda: result.append(a.reload(keys, [4, 5, 6, 7], pool=pa)))
+    t.start()
+    assert started.wait(30)
+    return pa, keys, t, result
+
+
 def test_a_reload_slowed_past_the_lease_is_exact_and_its_pages_stay_held(sockdir: str) -> None:
     srv, address = serve(sockdir, 1.0)
     dev = private_device(8, seed=4)
     a = HiCacheClient(address, timeout=30)
     try:
-        pa = a.register(dev, model_id="m")
-        keys = keys_for(4, seed=11)
-        assert a.offload(keys, [0, 1, 2, 3], pool=pa).statuses == (KeyStatus.STORED,) * 4
-        copier = a._copiers[pa.pool_id]
-        started = threading.Event()
-        copier.engine.reload = slowed(copier.engine.reload, started)  # type: ignore[method-assign]
-        result: list[Any] = []
-        t = threading.Thread(target=lambda: result.append(a.reload(keys, [4, 5, 6, 7], pool=pa)))
-        t.start()
-        assert started.wait(30)
+        pa, keys, t, result = slow_reload_started(a, dev, seed=11)
         time.sleep(LEASE_S * 1.5)
         # held past its time: not evictable, not reusable
         assert a.evict(keys, pool=pa).statuses == (KeyStatus.BUSY,) * 4
@@ -138,16 +146,7 @@ def test_a_reload_whose_grant_ends_with_its_pool_mid_copy_reports_nothing_loaded
     dev = private_device(8, seed=5)
     a = HiCacheClient(address, timeout=30)
     try:
-        pa = a.register(dev, model_id="m")
-        keys = keys_for(4, seed=12)
-        assert a.offload(keys, [0, 1, 2, 3], pool=pa).statuses == (KeyStatus.STORED,) * 4
-        copier = a._copiers[pa.pool_id]
-        started = threading.Event()
-        copier.engine.reload = slowed(copier.engine.reload, started)  # type: ignore[method-assign]
-        result: list[Any] = []
-        t = threading.Thread(target=lambda: result.append(a.reload(keys, [4, 5, 6, 7], pool=pa)))
-        t.start()
-        assert started.wait(30)
+        pa, _, t, result = slow_reload_started(a, dev, seed=12)
         srv.service.abandon(pa.pool_id)  # the pool goes (a lease the sidecar saw run out)
         t.join(60)
         assert result[0].statuses == (KeyStatus.NOT_FOUND,) * 4 and result[0].bytes_copied == 0
