@@ -86,10 +86,8 @@ class StorageWriter:
                 self._queue.extend(jobs[taken : taken + room])
                 taken = min(len(jobs), taken + room)
                 self._cond.notify_all()
-                now = time.monotonic()
-                if taken == len(jobs) or now >= deadline or now - self._progress > STALL_S:
+                if taken == len(jobs) or not self._wait_for_progress_locked(deadline):
                     break
-                self._cond.wait(min(STALL_S / 5, deadline - now))
         return list(jobs[taken:])
 
     def wait_written(self, timeout: float) -> bool:
@@ -99,11 +97,19 @@ class StorageWriter:
         with self._cond:
             seen = self._batches
             while self._batches == seen:
-                now = time.monotonic()
                 idle = not self._queue and not self._busy
-                if idle or self._closed or now >= deadline or now - self._progress > STALL_S:
+                if idle or self._closed or not self._wait_for_progress_locked(deadline):
                     return False
-                self._cond.wait(min(STALL_S / 5, deadline - now))
+        return True
+
+    def _wait_for_progress_locked(self, deadline: float) -> bool:
+        """Wait a little for the writer (under _cond); False, without waiting, once
+        `deadline` has passed or the writer is stalled (no batch started or finished for
+        STALL_S)."""
+        now = time.monotonic()
+        if now >= deadline or now - self._progress > STALL_S:
+            return False
+        self._cond.wait(min(STALL_S / 5, deadline - now))
         return True
 
     def flush(self, timeout: float | None = None) -> bool:

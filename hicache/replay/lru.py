@@ -42,9 +42,17 @@ class PrefixLRU:
 def hit_rate(requests: Sequence[Request], capacity: int | None, nodes: int = 1) -> float:
     """Hit tokens over input tokens of an LRU of `capacity` blocks per node, request i
     served by node i mod `nodes`."""
-    caches = [PrefixLRU(capacity) for _ in range(nodes)]
-    hits = sum(r.hit_tokens(caches[i % nodes].request(r)) for i, r in enumerate(requests))
-    total = sum(r.input_tokens for r in requests)
+    return shares_hit_rate([requests[i::nodes] for i in range(nodes)], capacity)
+
+
+def shares_hit_rate(shares: Sequence[Sequence[Request]], capacity: int | None) -> float:
+    """Hit tokens over input tokens of one LRU of `capacity` blocks per share of the requests
+    (each share served in its order)."""
+    hits = total = 0
+    for share in shares:
+        cache = PrefixLRU(capacity)
+        hits += sum(r.hit_tokens(cache.request(r)) for r in share)
+        total += sum(r.input_tokens for r in share)
     return hits / total if total else 0.0
 
 

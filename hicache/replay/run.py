@@ -149,7 +149,7 @@ def run_replay(args: argparse.Namespace) -> int:
         if errors:
             raise errors[0]
         stats = [_settle(node) for node in nodes]
-        report = _report(args, requests, nodes, stats, elapsed, host_pages, geometry.page_bytes)
+        report = _report(args, requests, shares, nodes, stats, elapsed, host_pages, geometry.page_bytes)
     _print(report, args)
     if args.report_json:
         with open(args.report_json, "w") as f:
@@ -160,6 +160,7 @@ def run_replay(args: argparse.Namespace) -> int:
 def _report(
     args: argparse.Namespace,
     requests: list[Request],
+    shares: list[list[Request]],
     nodes: list[ReplayNode],
     stats: list[PoolStats],
     elapsed: float,
@@ -173,8 +174,7 @@ def _report(
     rate["total"] = sum(rate.values())
     backend = args.hicache_storage_backend
     n = args.nodes
-    shares = _route(requests, n, args.route)
-    host_only = sum(lru.hit_rate(sh, host_pages) * sum(r.input_tokens for r in sh) for sh in shares) / total
+    host_only = lru.shares_hit_rate(shares, host_pages)
     if backend == "none":
         expected = host_only
     else:
@@ -184,7 +184,7 @@ def _report(
         if backend in SHARED_BACKENDS:  # one tier: every node's pages, pooled
             expected = lru.hit_rate(requests, cap)
         else:
-            expected = sum(lru.hit_rate(sh, cap) * sum(r.input_tokens for r in sh) for sh in shares) / total
+            expected = lru.shares_hit_rate(shares, cap)
     answers = {k: sum(r.offload_answers[k] for r in results) for k in results[0].offload_answers}
     tiers = stats[:1] if backend in SHARED_BACKENDS else stats  # a shared tier's pages are one tier's
     pages_known = backend != "none" and all(st.tiers[1].capacity_bytes or st.tiers[1].pages for st in tiers)

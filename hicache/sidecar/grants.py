@@ -67,7 +67,7 @@ class _Grant:
 class CopyGrants:
     """One pool's open grants. Thread-safe; the cache does the index work under its own lock.
     `window`: the pool's copy window (offload grants hand out its pages), owned and closed
-    here; None for a pool whose memory the sidecar maps (it offloads with Offload)."""
+    here; None for a pool built without one (offload grants are refused)."""
 
     def __init__(
         self,
@@ -96,7 +96,7 @@ class CopyGrants:
         for their storage writes are waited for first (ROOM_WAIT_S at most). Raises
         ValueError for a pool without a window, or more keys than the window holds."""
         if self.window is None:
-            raise ValueError("this pool's memory is mapped by the sidecar: offload it with Offload, not BeginCopy")
+            raise ValueError("this pool has no copy window: offload it with Offload, not BeginCopy")
         if len(keys) > self.window.num_pages:
             raise ValueError(
                 f"{len(keys)} keys in one offload grant, but the copy window holds {self.window.num_pages} pages: "

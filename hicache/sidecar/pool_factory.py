@@ -37,14 +37,13 @@ class PoolParts:
     device: DeviceKVPool | None  # None: the engine copies itself (memory kind "engine")
     offload_events: OpenedIpcEvents | None
     tier: StorageTier | None  # None: made for a pool expected to join a live host cache
-    window: HostKVPool | None = None  # the copy window BeginCopy's offloads write (see sidecar.grants)
+    window: HostKVPool  # the copy window BeginCopy's offloads write (see sidecar.grants)
 
     def close(self) -> None:
         with contextlib.ExitStack() as undo:  # each one closed, even if another raises
             if self.device is not None:
                 undo.callback(self.device.close)
-            if self.window is not None:
-                undo.callback(self.window.close)
+            undo.callback(self.window.close)
             if self.offload_events is not None:
                 undo.callback(self.offload_events.close)
             if self.tier is not None:

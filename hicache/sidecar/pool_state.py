@@ -59,8 +59,8 @@ class PoolState:
         that offloads wait for on the GPU. `layerwise_inline_bytes`: a layer-wise reload of
         fewer bytes is copied before the answer (CPU pools). device None: the engine's memory
         is not mapped (copy path "engine": the engine copies through grants, see grants.py);
-        device_pages then says how many pages it has, and `window` is its copy window (owned
-        and closed with the pool)."""
+        device_pages then says how many pages it has. `window`: the copy window of its
+        BeginCopy offloads (owned and closed with the pool; None: it takes none)."""
         self.identity = identity
         self.device = device
         self.shared = shared

@@ -102,7 +102,7 @@ def check_extra(backend: str, extra: Mapping[str, Any], also: tuple[str, ...] = 
         file.check_options(
             extra.get("dir") or default_file_dir(),
             extra.get("max_bytes"),
-            extra.get("fsync", False),
+            extra.get("fsync", file.DEFAULT_FSYNC),
             extra.get("read_threads", file.DEFAULT_READ_THREADS),
         )
     if backend == "redis":
@@ -137,10 +137,10 @@ def make_tier(backend: str, extra: Mapping[str, Any], identity: TierIdentity) ->
     check_extra(backend, extra)
     backend, extra = resolved(backend, extra)
     if backend == "file":
-        from hicache.storage.file import DEFAULT_READ_THREADS, FileTier
+        from hicache.storage.file import DEFAULT_FSYNC, DEFAULT_READ_THREADS, FileTier
 
         directory = Path(extra.get("dir") or default_file_dir()).resolve()
-        max_bytes, fsync = extra.get("max_bytes"), extra.get("fsync", False)
+        max_bytes, fsync = extra.get("max_bytes"), extra.get("fsync", DEFAULT_FSYNC)
         readers = extra.get("read_threads", DEFAULT_READ_THREADS)
         with _FILE_TIERS_LOCK:  # one FileTier (one index, one cap) per folder and identity
             shared = (directory, identity, max_bytes, fsync, readers)

@@ -37,6 +37,9 @@ IOV_MAX = max(0, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names el
 # (2-core VM, 256 MiMo pages after drop_caches: 1.0 GB/s on 1 thread, 1.5-1.6 on 4, 1.7 on 8);
 # from the page cache they are at par with one thread here (the checksum holds the GIL).
 DEFAULT_READ_THREADS = 4
+# No flush by default: a page a machine crash lost is a miss, one it tore fails its checksum
+# (docs/storage-tiers.md); an fsync per page made the tier fall behind any burst.
+DEFAULT_FSYNC = False
 
 
 def check_options(
@@ -77,7 +80,7 @@ class FileTier(FileReads, FileWrites):
         directory: str | os.PathLike[str],
         *,
         max_bytes: int | None = None,
-        fsync: bool | str = False,
+        fsync: bool | str = DEFAULT_FSYNC,
         read_threads: int = DEFAULT_READ_THREADS,
     ):
         super().__init__(identity)

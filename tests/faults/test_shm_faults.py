@@ -68,6 +68,23 @@ def _can_unshare() -> bool:
     return probe.returncode == 0
 
 
+def run_in_small_shm(script: Path, shm_bytes: int, timeout: int) -> str:
+    """Run the Python `script` in a private mount namespace whose /dev/shm is a tmpfs of
+    shm_bytes; returns its stdout once it exited 0 and printed "ok" last."""
+    cmd = f"mount -t tmpfs -o size={shm_bytes} tmpfs /dev/shm && exec {sys.executable} {script}"
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, (out.returncode, out.stdout[-3000:], out.stderr[-3000:])  # -7 would be SIGBUS
+    assert out.stdout.splitlines()[-1] == "ok", out.stdout[-3000:]
+    return out.stdout
+
+
 @pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare to mount a private /dev/shm")
 def test_two_registrations_on_a_shm_that_holds_one_host_pool_refuse_one_and_never_sigbus(tmp_path: Path) -> None:
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -78,17 +95,8 @@ def test_two_registrations_on_a_shm_that_holds_one_host_pool_refuse_one_and_neve
     size = (2 * device + host + host // 2) // 4096 * 4096  # both device pools, one and a half host pools
     script = tmp_path / "race.py"
     script.write_text(RACE.format(root=str(ROOT), tests=str(ROOT / "tests")))
-    cmd = f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} {script}"
-    out = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
-    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-3000:])  # -7 would be SIGBUS
-    assert out.stdout.splitlines()[-1] == "ok", out.stdout
-    assert re.search(r"needs \d+ bytes, /dev/shm has \d+ free|does not fit in /dev/shm", out.stdout), out.stdout
+    out = run_in_small_shm(script, size, timeout=300)
+    assert re.search(r"needs \d+ bytes, /dev/shm has \d+ free|does not fit in /dev/shm", out), out
 
 
 @pytest.fixture

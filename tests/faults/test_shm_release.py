@@ -8,14 +8,12 @@ process with the garbage collector off, with host growth stepping in small steps
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from test_shm_faults import _can_unshare
+from test_shm_faults import _can_unshare, run_in_small_shm
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = 4  # device pages per engine; the host pool is RATIO times that
@@ -113,18 +111,7 @@ SERVICE_CYCLES = textwrap.dedent(
 def _run_in_small_shm(tmp_path: Path, script: str, shm_bytes: int) -> str:
     path = tmp_path / "cycles.py"
     path.write_text(script)
-    cmd = f"mount -t tmpfs -o size={shm_bytes} tmpfs /dev/shm && exec {sys.executable} {path}"
-    out = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, (out.returncode, out.stdout[-3000:], out.stderr[-3000:])
-    assert out.stdout.splitlines()[-1] == "ok", out.stdout[-3000:]
-    return out.stdout
+    return run_in_small_shm(path, shm_bytes, timeout=540)
 
 
 def _shm_bytes(ratio: int) -> int:
