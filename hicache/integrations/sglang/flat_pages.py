@@ -61,11 +61,6 @@ class FlatPages:
             raise ValueError(f"a flat page of this pool holds {g.page_bytes} bytes, got {nbytes} ({flat.dtype})")
         return local_pool(g, 1, wrap_tensor(flat.reshape(-1).view(torch.uint8)), self.layout)
 
-    def _copy(self, src: DeviceKVPool, src_page: int, dst: DeviceKVPool, dst_page: int) -> None:
-        layers = self.geometry.layer_num
-        for b in range(len(self.geometry.buffers)):
-            dst.chunks(b, dst_page, 0, 1, layers).copy_(src.chunks(b, src_page, 0, 1, layers))
-
     def set(self, keys: Sequence[bytes], flats: Sequence[Any]) -> list[bool]:
         """Store flat pages under keys; True where the sidecar holds the page now."""
         pages = [self.page(f) for f in flats]
@@ -76,7 +71,7 @@ class FlatPages:
             for start in range(0, len(keys), self.size):
                 chunk = pages[start : start + self.size]
                 for i, p in enumerate(chunk):
-                    self._copy(p, 0, self.scratch, i)
+                    self.scratch.copy_pages_from(p, [0], [i])
                 res = self.copier.offload(keys[start : start + self.size], range(len(chunk)))
                 out += [s in KEPT for s in res.statuses]
         return out
@@ -92,7 +87,7 @@ class FlatPages:
                 chunk = pages[start : start + self.size]
                 n = loaded_prefix(self.copier.reload(keys[start : start + self.size], range(len(chunk))).statuses)
                 for i in range(n):
-                    self._copy(self.scratch, i, chunk[i], 0)
+                    chunk[i].copy_pages_from(self.scratch, [i], [0])
                 out[start : start + n] = [True] * n
                 if n < len(chunk):
                     break
