@@ -5,14 +5,20 @@ the earlier rounds' attacks.
 1. register/unregister cycles: is each pool's host memory back in /dev/shm within 1 s?
 2. an engine-copy offload slowed past its lease while another member offloads into the cache;
 3. a member writing through its mapping of the shared host pool, onto pages another member reads;
-4. one member pinning the whole shared cache.
+4. one member pinning the whole shared cache;
+5. an engine-copy tenant claiming 10**6 device pages of a sidecar-wide host budget;
+6. a page planted in the file tier, in the page format under the victim's identity, with and
+   without a tier secret.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -23,8 +29,9 @@ from attacks import ROOT, Outcome, geometry, rpc_code, sidecar
 
 from hicache.api import KeyStatus
 from hicache.client import HiCacheClient
-from hicache.memory import local_buffer
+from hicache.memory import MemoryHandle, local_buffer
 from hicache.pools import DeviceKVPool
+from hicache.storage import TierIdentity, make_tier
 
 
 def _filled(pages: int, seed: int, private: bool = False) -> DeviceKVPool:
@@ -156,10 +163,60 @@ def pin_everything() -> Outcome:
     return f"pins of 8 then 8 more of 16 pages: {codes}; the other member then stored {stored} of 8", held
 
 
+def huge_claim() -> Outcome:
+    g, victim_dev = geometry(), _filled(8, seed=8)
+    with sidecar("--hicache-size", f"{64 * g.page_bytes / 1e9:.9f}") as (_, addresses):
+        victim, tenant = HiCacheClient(addresses[0], timeout=30), HiCacheClient(addresses[0], timeout=30)
+        alone = victim.register(victim_dev, model_id="m", namespace="victim").host_pages
+        for i in range(3):  # memory kind "engine": the sidecar cannot check the size claimed
+            tenant.register_memory(g, 10**6, MemoryHandle("engine", 0), model_id=f"x{i}", namespace="claimant")
+        after = victim.stats()[0].host_pages
+        victim.close()
+        tenant.close()
+    victim_dev.close()
+    held = after >= alone // 4
+    return f"the other tenant's host share: {alone} pages alone, {after} after three claims of 10**6 pages", held
+
+
+def planted_page() -> Outcome:
+    """A page written into the file tier by someone without the secret, under the victim's
+    identity: served without a tier secret (what that trusts), a miss with one."""
+    got = []
+    folder = tempfile.mkdtemp(prefix="hctier")
+    secret = os.path.join(folder, "secret")
+    with open(secret, "w") as f:
+        f.write("a-secret-of-the-attacked-tier")
+    for flags in ((), ("--hicache-tier-secret-file", secret)):
+        dev = _filled(1, seed=9)
+        extra = json.dumps({"dir": os.path.join(folder, "tier")})
+        with sidecar("--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config", extra, *flags) as (
+            _,
+            addresses,
+        ):
+            with HiCacheClient(addresses[0], timeout=30) as client:
+                pool = client.register(dev, model_id="m")
+                keys = client.page_keys(list(range(64)))
+                client.offload(keys, [0])
+                while client.stats()[0].writes_done < 1:
+                    time.sleep(0.01)
+                client.evict(num_pages=1)
+                ident = TierIdentity(pool.geometry_fingerprint, dev.geometry.page_bytes, "m", "")
+                attacker = make_tier("file", {"dir": os.path.join(folder, "tier")}, ident)
+                attacker.set(keys[0], bytes(dev.geometry.page_bytes))  # chosen bytes: zeros
+                attacker.close()
+                got.append(client.reload(keys, [0]).statuses[0].name)
+        dev.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    held = got[1] == "NOT_FOUND"
+    return f"without a secret the planted page is {got[0]}; with one, {got[1]}", held
+
+
 def round4() -> list[tuple[str, Outcome]]:
     return [
         ("register/unregister cycles (host memory back)", pool_memory_release()),
         ("engine-copy offload slowed past its lease", slowed_grant()),
         ("a member writes onto another's host page", scribbler()),
         ("one member pins the whole shared cache", pin_everything()),
+        ("an engine-copy tenant claims 10**6 device pages", huge_claim()),
+        ("a page planted in the file tier (tier secret)", planted_page()),
     ]

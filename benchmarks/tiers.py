@@ -30,12 +30,14 @@
   batch_put_from / batch_get_into of the same stored bytes (benchmarks/tiers_mooncake.py),
   on a local master and segment holder in a loopback-only network namespace (as root), or
   the cluster at --mooncake-master.
+- --tier-secret: the file tier (fsync off) and the redis tier again with a tier secret,
+  every page MAC'd with HMAC-SHA256 on write and verified on read, against the same limits.
 - HostIndex: memory per key (tracemalloc) and time per allocate+bind at growing key
   counts, to show the per-key cost does not grow.
 
     python benchmarks/tiers.py [--backend all|file,redis,redis-cluster,mooncake] [--pages 256] [--dir /tmp]
                                [--redis-url URL] [--redis-cluster-url URL] [--mooncake-master HOST:PORT]
-                               [--repeat 5] [--cold] [--json]
+                               [--repeat 5] [--cold] [--tier-secret] [--json]
 
 Without --redis-url it starts a private redis-server on a unix socket, and without
 --redis-cluster-url a local cluster (each skipped if redis-server is absent). "all" (the
@@ -70,6 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiers_mooncake  # noqa: E402 - beside this script
 
 BATCH = 32
+SECRET = b"a-benchmark-tier-secret-of-32-by"  # --tier-secret: pages carry its HMAC-SHA256
 
 
 def geometry() -> KVGeometry:
@@ -88,9 +91,14 @@ def timed(fn: Any) -> float:
 
 
 def bench_file(
-    g: KVGeometry, items: list[tuple[bytes, bytes]], folder: Path, fsync: bool | str, repeat: int = 5
+    g: KVGeometry,
+    items: list[tuple[bytes, bytes]],
+    folder: Path,
+    fsync: bool | str,
+    repeat: int = 5,
+    secret: bytes = b"",
 ) -> dict[str, Any]:
-    ident = TierIdentity.for_geometry(g, "bench@0")
+    ident = TierIdentity.for_geometry(g, "bench@0", secret=secret)
     nbytes = len(items) * g.page_bytes
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         plain = Path(tmp) / "plain.bin"
@@ -186,6 +194,7 @@ def bench_file(
 
     return {
         "fsync": fsync,
+        "tier_secret": bool(secret),
         "pages": len(items),
         "page_bytes": g.page_bytes,
         "rounds": repeat,
@@ -276,12 +285,17 @@ def bench_file_cold(g: KVGeometry, items: list[tuple[bytes, bytes]], folder: Pat
 
 
 def bench_redis(
-    g: KVGeometry, items: list[tuple[bytes, bytes]], url: str, cluster: bool = False, repeat: int = 5
+    g: KVGeometry,
+    items: list[tuple[bytes, bytes]],
+    url: str,
+    cluster: bool = False,
+    repeat: int = 5,
+    secret: bytes = b"",
 ) -> dict[str, Any]:
     import redis
     from redis.cluster import RedisCluster
 
-    ident = TierIdentity.for_geometry(g, "bench@0")
+    ident = TierIdentity.for_geometry(g, "bench@0", secret=secret)
     tier = RedisTier(ident, url, cluster=cluster, timeout_s=30)
     raw: Any = (
         RedisCluster.from_url(url, socket_timeout=30) if cluster else redis.Redis.from_url(url, socket_timeout=30)
@@ -453,6 +467,7 @@ def main() -> None:
     ap.add_argument("--index-keys", default="100000,1000000", help="comma-separated key counts")
     ap.add_argument("--repeat", type=int, default=5, help="rounds of each tier's benchmark")
     ap.add_argument("--cold", action="store_true", help="also the file tier's reads from the disk (root: drops caches)")
+    ap.add_argument("--tier-secret", action="store_true", help="also the file and redis tiers with a tier secret")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     g = geometry()
@@ -467,6 +482,8 @@ def main() -> None:
         result["mooncake"] = tiers_mooncake.run(g, items[:128], args.mooncake_master, args.repeat)
     if "file" in wanted:
         result["file"] = [bench_file(g, items, Path(args.dir), fsync, args.repeat) for fsync in (False, True, "batch")]
+        if args.tier_secret:
+            result["file"].append(bench_file(g, items, Path(args.dir), False, args.repeat, SECRET))
         if args.cold:
             result["file_cold"] = bench_file_cold(g, items, Path(args.dir), args.repeat)
     if "redis" in wanted:
@@ -477,6 +494,8 @@ def main() -> None:
                 result["redis"] = (
                     bench_redis(g, items[:128], url, repeat=args.repeat) if url else "skipped: no redis-server"
                 )
+                if url and args.tier_secret:
+                    result["redis_secret"] = bench_redis(g, items[:128], url, repeat=args.repeat, secret=SECRET)
             finally:
                 if server:
                     server[0].terminate()
@@ -492,7 +511,7 @@ def main() -> None:
     print(f"page {g.page_bytes / 1e6:.2f} MB (MiMo-V2-Flash full, bf16, 64 tokens), batches of {BATCH}")
     for r in result.get("file", []):
         print(
-            f"file tier fsync={r['fsync']!s:5}: write {r['tier_write_GBps']:.2f} GB/s vs plain "
+            f"file tier fsync={r['fsync']!s:5}{' with a tier secret' if r['tier_secret'] else ''}: write {r['tier_write_GBps']:.2f} GB/s vs plain "
             f"{r['plain_write_GBps']:.2f} (ratio {r['write_ratio']:.2f}); read {r['tier_read_GBps']:.2f} "
             f"vs {r['plain_read_GBps']:.2f} (ratio {r['read_ratio']:.2f}; vs {r['plain_read_kept_GBps']:.2f} "
             f"into kept buffers, ratio {r['read_ratio_kept']:.2f}); batch_read into a page "
@@ -521,7 +540,11 @@ def main() -> None:
         )
     elif r is not None:
         print(f"mooncake tier: {r}")
-    for name, label in (("redis", "redis tier"), ("redis_cluster", "redis-cluster tier (3+3 nodes)")):
+    for name, label in (
+        ("redis", "redis tier"),
+        ("redis_secret", "redis tier with a tier secret"),
+        ("redis_cluster", "redis-cluster tier (3+3 nodes)"),
+    ):
         r = result.get(name)
         if isinstance(r, dict):
             print(

@@ -8,6 +8,7 @@ nothing here adds work to a call), and an interceptor times every RPC:
   hicache_hits_total{tier} / hicache_misses_total{tier}   lookups per tier
   hicache_evictions_total{tier}                 host: LRU evictions; storage: its size cap
   hicache_checksum_failures_total{tier}         stored pages that failed their checksum (served as misses)
+  hicache_forged_pages_total{tier}              with a tier secret: stored pages without a valid MAC (misses)
   hicache_transfer_seconds_total{direction}     time in device<->host copies (rate: bytes / seconds)
   hicache_host_pool_pages{state}                used, pinned; hicache_host_pool_capacity_pages
   hicache_host_cache_members                    pools sharing the host cache (engines, ranks of one model)
@@ -96,6 +97,9 @@ class ServiceCollector(Collector):
         misses = c("hicache_misses", "Keys not found, per tier", labels=[*POOL, "tier"])
         evictions = c("hicache_evictions", "Pages evicted, per tier", labels=[*POOL, "tier"])
         checksum = c("hicache_checksum_failures", "Stored pages that failed their checksum", labels=[*POOL, "tier"])
+        forged = c(
+            "hicache_forged_pages", "Stored pages without a valid MAC of the tier secret", labels=[*POOL, "tier"]
+        )
         host = g("hicache_host_pool_pages", "Host pool pages in use, by state", labels=[*POOL, "state"])
         capacity = g("hicache_host_pool_capacity_pages", "Host pool pages in all", labels=POOL)
         members = g("hicache_host_cache_members", "Registered pools sharing the host cache", labels=POOL)
@@ -143,7 +147,7 @@ class ServiceCollector(Collector):
                 sums[series] += value
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
             "pages": pages, "bytes": nbytes, "seconds": seconds, "hits": hits, "misses": misses,
-            "evictions": evictions, "checksum": checksum, "host": host, "capacity": capacity, "queue": queue,
+            "evictions": evictions, "checksum": checksum, "forged": forged, "host": host, "capacity": capacity, "queue": queue,
             "members": members, "offloads": offloads, "writes": writes,
         }  # fmt: skip
         for (name, *labels), value in sums.items():
@@ -184,6 +188,7 @@ def _counts(pool: RegisteredPool) -> tuple[dict[Series, float], dict[Series, flo
     cache[("evictions", *ids, "host")] += pool.index.evictions
     cache[("evictions", *ids, "storage")] += st["evictions"]
     cache[("checksum", *ids, "storage")] += st["corrupt"]
+    cache[("forged", *ids, "storage")] += st["forged"]
     for status, n in (("stored", s.offload_stored), ("deduplicated", s.offload_deduplicated),
                       ("no_space", s.offload_no_space)):  # fmt: skip
         mine[("offloads", *ids, status)] += n

@@ -10,6 +10,8 @@
     --hicache-size GB    host memory of the whole sidecar in GB, shared by its pools
                          (hicache.sidecar.host_budget); 0: size each pool by --hicache-ratio
     --hicache-ratio R    host pool pages = R x device pool pages
+    --hicache-tier-secret-file PATH, or HICACHE_TIER_SECRET (--hicache-tier-secret)
+                         a secret that every stored page carries a MAC of (page_format)
 
 add_arguments(parser) adds them to any argparse parser; from_args(namespace) reads them.
 """
@@ -90,6 +92,25 @@ def _yaml(text: str, source: str) -> Any:
         raise ValueError(f"--hicache-storage-backend-extra-config {source} is not valid YAML: {e}") from None
 
 
+MIN_SECRET_BYTES = 16
+
+
+def read_tier_secret(value: str, path: str) -> bytes:
+    """The tier secret: `value` (HICACHE_TIER_SECRET) or the contents of the file `path`
+    (one trailing newline dropped); b"" for neither. Raises ValueError naming the flag, never
+    the secret, for both at once or a file that cannot be read."""
+    if value and path:
+        raise ValueError("set the tier secret once: HICACHE_TIER_SECRET or --hicache-tier-secret-file, not both")
+    if not path:
+        return value.encode()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"--hicache-tier-secret-file {path}: {e.strerror}") from None
+    return data[:-1] if data.endswith(b"\n") else data
+
+
 @dataclass(frozen=True)
 class HiCacheConfig:
     """Validated hierarchy settings. Raises ValueError naming a bad value."""
@@ -100,6 +121,7 @@ class HiCacheConfig:
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     size_gb: float = 0.0
     ratio: float = 2.0
+    tier_secret: bytes = field(default=b"", repr=False)  # b"": stored pages carry no MAC
 
     def __post_init__(self) -> None:
         check_write_policy(self.write_policy)
@@ -115,6 +137,8 @@ class HiCacheConfig:
                 raise ValueError(f"hicache {name} must be a number >= 0, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{flag} must be a finite number, got {value!r}")
+        if not isinstance(self.tier_secret, bytes) or 0 < len(self.tier_secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the tier secret must be at least {MIN_SECRET_BYTES} bytes (its value is not shown)")
         if self.size_gb == 0 and self.ratio <= 0:
             raise ValueError(f"hicache ratio must be > 0 when size is 0, got {self.ratio}")
 
@@ -159,6 +183,16 @@ class HiCacheConfig:
             help="host memory GB of the whole sidecar, split among its pools (0: each pool by --hicache-ratio)",
         )
         g.add_argument("--hicache-ratio", type=float, default=d.ratio, help="host pages per device page")
+        g.add_argument(
+            "--hicache-tier-secret-file",
+            default="",
+            help="a file holding the tier secret: stored pages carry its MAC, and pages without a valid one are misses",
+        )
+        g.add_argument(
+            "--hicache-tier-secret",
+            default="",
+            help="the tier secret itself; set it in the environment, as a command line is visible in ps",
+        )
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> HiCacheConfig:
@@ -169,6 +203,7 @@ class HiCacheConfig:
             extra_config=parse_extra_config(ns.hicache_storage_backend_extra_config),
             size_gb=ns.hicache_size,
             ratio=ns.hicache_ratio,
+            tier_secret=read_tier_secret(ns.hicache_tier_secret, ns.hicache_tier_secret_file),
         )
 
     # ---- building ---------------------------------------------------------------------------
@@ -181,7 +216,7 @@ class HiCacheConfig:
 
     def make_tier(self, geometry: KVGeometry, model_id: str, namespace: str = "") -> StorageTier:
         """The storage tier for pages of `geometry` written by model `model_id`."""
-        ident = TierIdentity.for_geometry(geometry, model_id, namespace)
+        ident = TierIdentity.for_geometry(geometry, model_id, namespace, self.tier_secret)
         return make_tier(self.storage_backend, self.storage_extra, ident)
 
     def build(self, pool: PagePool, storage: StorageTier, **kwargs: Any) -> HierarchicalCache:

@@ -121,7 +121,7 @@ def build_pool(
         undo.callback(cache.close)
         if host.committed_pages < host_pages:
             cache.resize_host(host.committed_pages)
-        shared = SharedHostCache(CacheIdentity.of(req), cache)
+        shared = SharedHostCache(CacheIdentity.of(req), cache, req.namespace)
         pool = join_pool(req, parts, shared, config, bus)
         undo.pop_all()
         return pool

@@ -85,7 +85,10 @@ class ServicePools:
         live = self.cache_snapshots()
         shares = split(
             self._budget,
-            [*map(_claim, live), Claim(req.geometry.pool_bytes(req.device_pages), req.geometry.page_bytes)],
+            [
+                *map(_claim, live),
+                Claim(req.geometry.pool_bytes(req.device_pages), req.geometry.page_bytes, None, req.namespace),
+            ],
         )
         if min(shares) < 1:
             return NoSpace(
@@ -140,7 +143,7 @@ def _resize(shared: SharedHostCache, pages: int) -> None:
 
 def _claim(shared: SharedHostCache) -> Claim:
     g = shared.geometry
-    return Claim(shared.device_bytes, g.page_bytes, shared.host.num_pages)
+    return Claim(shared.device_bytes, g.page_bytes, shared.host.num_pages, shared.namespace)
 
 
 def sweep_dead() -> None:

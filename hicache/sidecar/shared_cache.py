@@ -55,8 +55,9 @@ class SharedHostCache:
     """Thread-safe. Members join and leave under the service's space lock; the last to leave
     closes the cache (leave() says so; the caller then calls close())."""
 
-    def __init__(self, identity: CacheIdentity | None, cache: HierarchicalCache):
+    def __init__(self, identity: CacheIdentity | None, cache: HierarchicalCache, namespace: str = ""):
         self.identity = identity
+        self.namespace = namespace  # the tenant its host budget share counts against
         self.cache = cache
         self.host = cast("HostKVPool", cache.pool)  # a HostKVPool: the sidecar's caches are over one
         self.cache_id = "cache-" + secrets.token_hex(6)

@@ -36,6 +36,8 @@ class TierIdentity:
     page_bytes: int  # KVGeometry.page_bytes: every payload is exactly this long
     model_id: str  # model name + revision, e.g. "deepseek-ai/DeepSeek-V3@main"
     namespace: str = ""  # tenant / cache salt
+    # the tier secret: pages carry its MAC (page_format); b"" for none. Never in a repr or log.
+    secret: bytes = field(default=b"", repr=False)
     model_hash: bytes = field(init=False, repr=False)
     namespace_hash: bytes = field(init=False, repr=False)
 
@@ -52,12 +54,16 @@ class TierIdentity:
             raise ValueError(f"model_id must be a non-empty str (name + revision), got {self.model_id!r}")
         if not isinstance(self.namespace, str):
             raise ValueError(f"namespace must be a str, got {self.namespace!r}")
+        if not isinstance(self.secret, bytes):
+            raise ValueError(f"the tier secret must be bytes, got a {type(self.secret).__name__}")
         object.__setattr__(self, "model_hash", hashlib.sha256(self.model_id.encode()).digest()[:8])
         object.__setattr__(self, "namespace_hash", hashlib.sha256(self.namespace.encode()).digest()[:8])
 
     @classmethod
-    def for_geometry(cls, geometry: KVGeometry, model_id: str, namespace: str = "") -> TierIdentity:
-        return cls(geometry.fingerprint, geometry.page_bytes, model_id, namespace)
+    def for_geometry(
+        cls, geometry: KVGeometry, model_id: str, namespace: str = "", secret: bytes = b""
+    ) -> TierIdentity:
+        return cls(geometry.fingerprint, geometry.page_bytes, model_id, namespace, secret)
 
     @property
     def fingerprint_bytes(self) -> bytes:
@@ -87,6 +93,7 @@ class TierStats:
     bytes_read: int = 0
     corrupt: int = 0  # failed magic/length/checksum: deleted, served as a miss
     foreign: int = 0  # another geometry/model/namespace/key: deleted, served as a miss
+    forged: int = 0  # with a tier secret, no valid MAC: deleted, served as a miss
     evictions: int = 0
     deletes: int = 0
     errors: int = 0  # backend errors (I/O, connection, timeout)

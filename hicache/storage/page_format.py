@@ -3,13 +3,13 @@
     offset  size  field
     0       4     magic b"HKVP"
     4       2     format version (1)
-    6       1     checksum algorithm (1 = xxh3_64, 2 = crc32)
+    6       1     checksum algorithm (1 = xxh3_64, 2 = crc32, 7 = HMAC-SHA256 with the tier secret)
     7       1     key length K (1..MAX_KEY_BYTES)
     8       8     geometry fingerprint (KVGeometry.fingerprint's 16 hex digits as 8 bytes)
     16      8     model identity hash (first 8 bytes of sha256(model id))
     24      8     namespace hash (first 8 bytes of sha256(namespace))
     32      8     payload length P (little-endian u64)
-    40      8     checksum over bytes [0, 40) + key + payload (little-endian u64)
+    40      8     checksum or MAC over bytes [0, 40) + key + payload (little-endian u64)
     48      K     key
     48 + K  P     payload: one canonical flat page (KVGeometry.page_bytes)
 
@@ -19,10 +19,17 @@ C extension hicache.storage._xxh3 is built, it computes the XXH3-64 of a stored 
 + key + payload, always over 240 bytes) with the GIL released, so that reader threads
 verify pages at the same time; python-xxhash, which holds the GIL, does the rest. A page
 that fails any check raises PageError and is never served.
+
+With a tier secret (TierIdentity.secret: --hicache-tier-secret-file or HICACHE_TIER_SECRET),
+pages are written with algorithm 7: the checksum field holds the first 8 bytes of
+HMAC-SHA256(secret, bytes [0, 40) + key + payload), and a reader with the secret serves only
+pages whose MAC verifies (any other page is "forged": a miss, counted and removed). A reader
+without a secret cannot verify a MAC'd page: "unreadable", a miss that leaves it in place.
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 import zlib
 from collections.abc import Callable, Sequence
@@ -42,27 +49,40 @@ VERSION = 1
 MAX_KEY_BYTES = 64
 XXH3_64 = 1
 CRC32 = 2
+HMAC_SHA256 = 7  # two bits from 1 and 2: a one-bit flip of their algorithm byte stays "corrupt"
 _FIXED = struct.Struct("<4sHBB8s8s8sQ")  # everything before the checksum: 40 bytes
 _ALGORITHM_AT = struct.calcsize("<4sH")  # the checksum algorithm byte's offset in _FIXED
 _CHECKSUM = struct.Struct("<Q")
 HEADER_BYTES = _FIXED.size + _CHECKSUM.size  # 48, before the key
 
-Reason = Literal["corrupt", "foreign", "unreadable"]
+Reason = Literal["corrupt", "foreign", "forged", "unreadable"]
 
 
 class PageError(ValueError):
     """A stored page that must not be served. `reason` is "corrupt" (bad magic, version,
     length or checksum: torn or damaged bytes), "foreign" (intact, but written for another
-    geometry, model, namespace or key) or "unreadable" (checksummed with an algorithm this
-    process lacks, e.g. XXH3 without the xxhash package: a miss here, fine for others).
-    Tiers delete corrupt and foreign pages, never unreadable ones."""
+    geometry, model, namespace or key), "forged" (read with a tier secret: no MAC, or one that
+    does not verify) or "unreadable" (checksummed with an algorithm this process lacks, e.g.
+    XXH3 without the xxhash package, or a MAC without the secret: a miss here, fine for
+    others). Tiers delete corrupt, foreign and forged pages, never unreadable ones."""
 
     def __init__(self, reason: Reason, detail: str):
         super().__init__(f"{reason} page: {detail}")
         self.reason: Reason = reason
 
 
-def _checksummer(algorithm: int) -> Callable[[list[Buffer]], int] | None:
+def _checksummer(algorithm: int, secret: bytes = b"") -> Callable[[list[Buffer]], int] | None:
+    if algorithm == HMAC_SHA256:
+        if not secret:
+            return None
+
+        def mac(parts: list[Buffer]) -> int:
+            h = hmac.new(secret, digestmod="sha256")
+            for p in parts:
+                h.update(p)
+            return int.from_bytes(h.digest()[:8], "little")
+
+        return mac
     if algorithm == XXH3_64:
         try:
             import xxhash
@@ -136,15 +156,21 @@ def _fixed(identity: TierIdentity, key: bytes, algorithm: int) -> bytes:
     return _FIXED.pack(MAGIC, VERSION, algorithm, len(key), fp, model, ns, identity.page_bytes)
 
 
+def _writer_algorithm(identity: TierIdentity) -> int:
+    """HMAC_SHA256 with a tier secret, else the default checksum."""
+    return HMAC_SHA256 if identity.secret else default_algorithm()
+
+
 def encode_header(identity: TierIdentity, key: bytes, payload: Payload, algorithm: int | None = None) -> bytes:
     """The header + key to store in front of `payload` (written as-is after it: one buffer,
-    or a list of buffers in page order).
+    or a list of buffers in page order), checksummed with `algorithm` (default: a MAC with
+    the identity's tier secret, else the default checksum).
 
     Raises ValueError for a bad key or a payload that is not identity.page_bytes long.
     """
     parts = checked_parts(identity, key, payload)
-    algorithm = default_algorithm() if algorithm is None else algorithm
-    summer = _checksummer(algorithm)
+    algorithm = _writer_algorithm(identity) if algorithm is None else algorithm
+    summer = _checksummer(algorithm, identity.secret)
     if summer is None:
         raise ValueError(f"checksum algorithm {algorithm} is unknown or not installed")
     fixed = _fixed(identity, key, algorithm)
@@ -156,7 +182,7 @@ def stage_page(identity: TierIdentity, key: bytes, parts: Sequence[memoryview], 
     view of stored_size bytes): with the C extension the payload is hashed as it is copied,
     one pass over its bytes, else encode_header then a copy."""
     head = HEADER_BYTES + len(key)
-    if _copy_xxh3 is not None and default_algorithm() == XXH3_64:
+    if _copy_xxh3 is not None and _writer_algorithm(identity) == XXH3_64:
         fixed = _fixed(identity, key, XXH3_64)
         checksum = _copy_xxh3([fixed, key], parts, [dest[head:]])
         if checksum is None:  # 240 bytes or less: python-xxhash's, over what was copied
@@ -175,7 +201,8 @@ def unstage_page(identity: TierIdentity, key: bytes, stored: memoryview, pieces:
     `pieces` (in order; they may hold any bytes if it fails). With the C extension the payload
     is hashed as it is copied. Raises PageError as decode_page does."""
     head = HEADER_BYTES + len(key)
-    if _copy_xxh3 is not None and stored.nbytes > _ALGORITHM_AT and stored[_ALGORITHM_AT] == XXH3_64:
+    xxh3 = stored.nbytes > _ALGORITHM_AT and stored[_ALGORITHM_AT] == XXH3_64
+    if _copy_xxh3 is not None and xxh3 and not identity.secret:
         checksum = _copy_xxh3([stored[: _FIXED.size], stored[HEADER_BYTES:head]], [stored[head:]], pieces)
         verify_page(identity, key, stored[:head], pieces, checksum=checksum)
         return
@@ -196,7 +223,8 @@ def decode_page(identity: TierIdentity, key: bytes, blob: Buffer) -> memoryview:
 
     Raises PageError("corrupt") for wrong magic, version, lengths, checksum or an unknown
     checksum algorithm, PageError("unreadable") for a known algorithm this process lacks,
-    and PageError("foreign") for an intact page of another geometry, model, namespace or key.
+    PageError("forged") with a tier secret for a page without a valid MAC, and
+    PageError("foreign") for an intact page of another geometry, model, namespace or key.
     """
     view = memoryview(blob).cast("B")
     if view.nbytes < HEADER_BYTES:
@@ -235,15 +263,23 @@ def verify_page(
     got = view.nbytes + sum(memoryview(p).nbytes for p in payload)
     if view.nbytes != HEADER_BYTES + key_len or got != HEADER_BYTES + key_len + size:
         raise PageError("corrupt", f"{got} bytes, header says {HEADER_BYTES + key_len + size}")
-    summer = _checksummer(algorithm)
+    if identity.secret and algorithm != HMAC_SHA256:
+        raise PageError("forged", f"no MAC (checksum algorithm {algorithm}): written without the tier secret")
+    summer = _checksummer(algorithm, identity.secret)
     if summer is None and algorithm == XXH3_64:
         raise PageError("unreadable", "checksummed with xxh3_64, and the xxhash package is not installed")
+    if summer is None and algorithm == HMAC_SHA256:
+        raise PageError("unreadable", "authenticated with a tier secret, and this sidecar has none")
     if summer is None:
         raise PageError("corrupt", f"checksum algorithm {algorithm} is unknown")
     (expected,) = _CHECKSUM.unpack_from(view, _FIXED.size)
     stored_key = view[HEADER_BYTES:]
     if checksum is None or algorithm != XXH3_64:
         checksum = summer([view[: _FIXED.size], stored_key, *payload])
+    if algorithm == HMAC_SHA256 and not hmac.compare_digest(
+        checksum.to_bytes(8, "little"), view[_FIXED.size : HEADER_BYTES]
+    ):
+        raise PageError("forged", "the MAC does not verify: another secret, or changed bytes")
     if checksum != expected:
         raise PageError("corrupt", "checksum mismatch")
     if fp != identity.fingerprint_bytes or size != identity.page_bytes:

@@ -23,31 +23,65 @@ from hicache.sidecar.host_budget import Claim, split
 from hicache.sidecar.service import HiCacheService
 
 PAGE = mimo_full().page_bytes
+ENGINE = MemoryHandle("engine", 0)  # an engine-copy pool: its device size is a claim
 
 
 @given(
     budget=st.integers(1, 10**12),
-    claims=st.lists(st.tuples(st.integers(1, 10**11), st.integers(1, 10**8)), min_size=1, max_size=16),
+    claims=st.lists(
+        st.tuples(st.integers(1, 10**15), st.integers(1, 10**8), st.sampled_from("abc")), min_size=1, max_size=16
+    ),
 )
 @settings(max_examples=300, deadline=None)
-def test_the_shares_never_exceed_the_budget_and_follow_the_weights(budget: int, claims: list[tuple[int, int]]) -> None:
-    cs = [Claim(w, p) for w, p in claims]
+def test_the_shares_never_exceed_the_budget_and_keep_a_floor_whatever_the_weights(
+    budget: int, claims: list[tuple[int, int, str]]
+) -> None:
+    cs = [Claim(w, p, namespace=ns) for w, p, ns in claims]
     pages = split(budget, cs)
     assert sum(n * c.page_bytes for n, c in zip(pages, cs, strict=True)) <= budget
-    n = len(cs)
-    floor = budget // (4 * n)
-    for c, got in zip(cs, pages, strict=True):  # at least its floor (whole pages of it)
-        assert got >= min(c.device_bytes, floor) // c.page_bytes
+    tenants = {c.namespace for c in cs}
+    for c, got in zip(cs, pages, strict=True):  # at least its floor (whole pages of it), any weights
+        part = budget // (2 * len(tenants))  # its namespace's floor
+        mates = sum(d.namespace == c.namespace for d in cs)
+        assert got >= part // (2 * mates) // c.page_bytes
 
 
 def test_the_split_rule_worked_through() -> None:
-    # budget 100, two pools: floors min(w, 100 // 8 = 12) = 12 and 10; rest 78 split 3:1
+    # budget 100, two pools of one namespace: floors 100 // 4 = 25 each; the other 50 split 3:1
     big, small = Claim(30, 1), Claim(10, 1)
-    assert split(100, [big, small]) == [12 + 78 * 3 // 4, 10 + 78 // 4]
-    assert split(100, [Claim(30, 1, max_pages=40), small]) == [40, 29]  # never past its segment
+    assert split(100, [big, small]) == [25 + 50 * 3 // 4, 25 + 50 // 4]
+    assert split(100, [Claim(30, 1, max_pages=40), small]) == [40, 37]  # never past its segment
     assert split(10, [Claim(10, 20)]) == [0]  # a share of less than a page
+    # namespaces first: a gets 25 + 50 * 40 // 50 = 65 and b 25 + 10 = 35; then a's two pools
+    # split a's 65: floors 16 each, the other 33 split 3:1
+    assert split(100, [big, Claim(10, 1, namespace="b"), small]) == [16 + 33 * 3 // 4, 35, 16 + 33 // 4]
     with pytest.raises(ValueError, match="budget must be >= 1 byte"):
         split(0, [big])
+
+
+def test_a_huge_unchecked_claim_moves_only_its_own_namespaces_part() -> None:
+    """#46 point 4: an engine-copy pool claimed 10**6 device pages, which the sidecar cannot
+    check, and another tenant's host share fell from 1,356 pages to 64."""
+    budget_pages = 64
+    svc = budget_service(budget_pages * PAGE / 1e9)
+    victim_dev = filled_device(8, seed=1)
+    try:
+        victim = svc.register(
+            "v", geometry=victim_dev.geometry, device_pages=8, device_memory=victim_dev.handle, namespace="b"
+        )
+        assert isinstance(victim, PoolInfo) and victim.host_pages == budget_pages
+        claims = [
+            svc.register(f"x{i}", geometry=mimo_full(), device_pages=10**6, device_memory=ENGINE, namespace="a")
+            for i in range(3)
+        ]
+        assert all(isinstance(c, PoolInfo) for c in claims)
+        assert svc.stats(victim.pool_id)[0].host_pages >= budget_pages // 4  # the other namespace's floor
+        total = sum(svc.stats(p.pool_id)[0].host_pages for p in [victim, *claims] if isinstance(p, PoolInfo))
+        assert total <= budget_pages
+        svc.check_integrity()
+    finally:
+        svc.close()
+        victim_dev.close()
 
 
 def test_the_index_shrinks_evicts_above_the_line_and_grows_back() -> None:

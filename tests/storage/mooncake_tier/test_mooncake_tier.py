@@ -3,6 +3,7 @@ or damaged object under one of its keys comes to (a miss, removed and counted; n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -159,3 +160,17 @@ def test_two_tiers_of_one_process_share_one_client_which_outlives_them(mooncake,
     d = MooncakeTier(identity(g), master.extra_config())
     assert d._link is not link and d.health().healthy
     d.close()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["zero-copy", "staged"])
+def test_with_a_tier_secret_a_page_planted_without_it_is_a_miss_removed_and_counted(mooncake, raw, direct):
+    """#46 point 5: a page in the page format under the victim's identity, with chosen bytes
+    and no MAC, was served; Mooncake's put never overwrites, so it would have stayed."""
+    g = GEOMETRIES["mimo_kv"]
+    tier = mooncake(dataclasses.replace(identity(g), secret=b"the-tier-secret-0123456789"))
+    tier.direct = direct
+    assert tier.set(key(0), payload(g, 0))
+    assert raw.put(tier.name(key(1)), fmt.encode_page(identity(g), key(1), payload(g, 66))) == 0
+    got = tier.batch_get([key(0), key(1)])
+    assert bytes(got[0]) == payload(g, 0) and got[1] is None
+    assert tier.stats().forged == 1 and raw.is_exist(tier.name(key(1))) == 0
