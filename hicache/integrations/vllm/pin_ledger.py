@@ -29,7 +29,9 @@ class ChunkPins:
 class PinLedger:
     def __init__(self) -> None:
         self.held: dict[bytes, ChunkPins] = {}  # the pins behind each HIT answer
-        self.loads: dict[tuple[str, tuple[bytes, ...]], list[list[ChunkPins]]] = {}  # (req id, keys) -> pins
+        # (req id, its chunk keys) -> pins: vLLM hands prepare_load a list and complete_load a set of
+        # the same keys, so a load is known by the set
+        self.loads: dict[tuple[str, frozenset[bytes]], list[list[ChunkPins]]] = {}
         self.released: list[ChunkPins] = []  # no holder left: to unpin on the lookup thread
 
     def pinned_pages(self) -> int:
@@ -71,12 +73,12 @@ class PinLedger:
                 continue
             pins.holders += 1
             taken.append(pins)
-        self.loads.setdefault((req_id, tuple(keys)), []).append(taken)
+        self.loads.setdefault((req_id, frozenset(keys)), []).append(taken)
 
     def end_load(self, req_id: str, keys: Collection[bytes]) -> bool:
         """Let go of the pins the oldest such load took (only those: another load may share the
         chunks). False when no load of `keys` for `req_id` is open."""
-        key = (req_id, tuple(keys))
+        key = (req_id, frozenset(keys))
         loads = self.loads.get(key)
         if not loads:
             return False

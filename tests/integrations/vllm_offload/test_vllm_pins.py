@@ -138,6 +138,29 @@ def test_complete_load_releases_only_the_pins_its_own_load_holds(tmp_path: Path,
         eng.close()
 
 
+def test_complete_load_finds_its_load_whatever_order_its_keys_come_in(tmp_path: Path, sidecar: str) -> None:
+    """vLLM's scheduler hands prepare_load a list of chunk keys and complete_load the set of
+    them (TransferJobStatus.keys): measured under its real server, a load of a 48-chunk
+    document kept its pins forever, and the host tier filled with pinned pages."""
+    eng = qwen_engine(tmp_path, sidecar)
+    manager = eng.spec.get_manager()
+    a, b = ReqContext(req_id="a"), ReqContext(req_id="b")
+    try:
+        keys = chunk_keys(6, seed=8)
+        assert store(eng, manager, keys, [1, 2, 3, 4, 5, 6], job=1).success
+        assert resolve(manager, keys)[6:] == [LookupResult.HIT] * 6
+        with manager.lock:
+            manager.prepare_load(keys, a)
+            manager.prepare_load(keys, b)
+            manager.reset_cache()  # the answers go: only the two loads hold the pins
+            manager.complete_load(set(keys), a)  # as vLLM's scheduler calls it
+            manager.complete_load(keys[::-1], b)
+        assert sidecar_pins(eng, 0) == 0 and manager.pinned_pages() == 0
+    finally:
+        manager.shutdown()
+        eng.close()
+
+
 def test_an_expedited_load_does_not_wait_behind_regular_loads(
     tmp_path: Path, sidecar: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
