@@ -3,13 +3,13 @@
 vLLM asks lookup() one chunk at a time, holding the scheduler. So a chunk the manager has
 not seen answers RETRY, and at the end of the step background Lookups on each worker pool
 (BATCH page keys per call, see batches) resolve every chunk asked for: HIT when each rank
-holds all its pages in host memory, HIT_PENDING (and a Prefetch) when some are in storage
-only, MISS otherwise. Answers are reused for lookup_ttl_s.
+holds all its pages in host memory, once pages only in storage are prefetched (waiting up to
+the sidecar's prefetch timeout), MISS otherwise. Answers are reused for lookup_ttl_s.
 
 A HIT must stay loadable (pin_ledger says why): the lookup thread pins a chunk's pages on
 every rank before it answers HIT (rank_pools; a chunk whose pin fails is a MISS), a load
 shares those pins until complete_load, and they are released (off the scheduler thread)
-once the answer has expired and no load holds them. A sidecar that fails a call makes every
+once no load holds them and the answer has expired, or a load used it (at the step's end). A sidecar that fails a call makes every
 lookup a MISS and every store a refusal for retry_s; no call here raises into the scheduler.
 
 The lookup thread and vLLM's scheduler share the manager's state under `lock` (re-entrant):
@@ -52,7 +52,7 @@ from hicache.integrations.vllm.pin_ledger import ChunkPins, PinLedger
 from hicache.integrations.vllm.rank_pools import RankPools
 
 log = logging.getLogger("hicache.integrations.vllm")
-PENDING_TTL_S = 0.05  # a chunk being prefetched is asked about again this soon
+SWEEP_MARGIN_S = 0.05  # the sweep of unused answers runs this long after they expire
 
 
 # vLLM's calls into the manager that touch its state (not shutdown, which takes the lock itself)
@@ -78,6 +78,7 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._known: dict[bytes, tuple[LookupResult, float]] = {}
         self._pins = PinLedger()  # its `held`: the pins behind each HIT answer in _known
         self._pending: dict[bytes, None] = {}
+        self._loaded: set[bytes] = set()  # chunks loads took this step: their answers go at its end
         self._inflight: Future[None] | None = None
         self._thread = LookupThread()
         self._closed = False
@@ -121,6 +122,10 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return LookupResult.RETRY
 
     def on_schedule_end(self, context: Any) -> None:
+        for key in self._loaded:  # its loads hold the pins now; a later lookup asks the sidecar
+            self._known.pop(key, None)
+            self._pins.drop_answer(key)
+        self._loaded.clear()
         self._expire(time.monotonic())
         if self._pending and (self._inflight is None or self._inflight.done()):
             keys, self._pending = list(self._pending), {}
@@ -149,8 +154,7 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 self._failing = False
             for key, answer in answers.items():
                 self._pins.drop_answer(key)  # an expired answer asked again: its pins go
-                life = PENDING_TTL_S if answer is LookupResult.HIT_PENDING else ttl
-                self._known[key] = (answer, now + life)
+                self._known[key] = (answer, now + ttl)
                 if answer is LookupResult.HIT:
                     self._pins.held[key] = pins.pop(key)
             self._pins.released += pins.values()  # the pins of chunks that are not HITs
@@ -195,7 +199,7 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         """Unpin the answers that expire unused even when vLLM runs no step (lookup thread)."""
         if self._closed or not self._pins.held:
             return
-        self._thread.arm(self.options.lookup_ttl_s + PENDING_TTL_S, self._sweep)
+        self._thread.arm(self.options.lookup_ttl_s + SWEEP_MARGIN_S, self._sweep)
 
     def _sweep(self) -> None:
         with self._lock:
@@ -209,6 +213,7 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         """The load shares the pins the chunks' HIT answers hold, until complete_load."""
         try:
             self._pins.start_load(req_context.req_id, keys)
+            self._loaded.update(keys)
         except Exception as exc:
             log.warning("hicache prepare_load failed: %s", exc)
         return HiCacheLoadStoreSpec(keys)

@@ -2,9 +2,10 @@
 
 A chunk's pages sit in every rank's pool for the chunk's KV-cache group. The pool ids come
 from the workers' rendezvous, read once every worker wrote. ask() looks each chunk up on
-every rank: a chunk whose pages some rank lacks is a MISS, one with pages only in storage
-is a HIT_PENDING and those pages are prefetched, and the pages of the remaining HITs are
-pinned on every rank. Every call carries at most `batch` page keys.
+every rank: a chunk whose pages some rank lacks is a MISS; pages only in storage are
+prefetched, waiting up to the sidecar's prefetch timeout (policy "timeout": this thread is
+not vLLM's scheduler), and a chunk not all on host after that is a MISS; the pages of the
+remaining HITs are pinned on every rank. Every call carries at most `batch` page keys.
 """
 
 from __future__ import annotations
@@ -47,17 +48,19 @@ class RankPools:
                 if self.residency is not None:
                     stored = [k for k, t in zip(page_keys, tiers, strict=True) if t is Tier.STORAGE]
                     self.residency.saw_in_storage(pool, stored)
-                fetch: list[bytes] = []
+                wanted: dict[bytes, list[bytes]] = {}  # chunk -> its pages only in storage
                 for i, chunk in enumerate(chunks):
-                    mine = tiers[i * bpc : (i + 1) * bpc]
-                    if Tier.NONE in mine:
+                    span = slice(i * bpc, (i + 1) * bpc)
+                    if answers[chunk] is not LookupResult.HIT:  # a MISS on another rank already
+                        continue
+                    if Tier.NONE in tiers[span]:
                         answers[chunk] = LookupResult.MISS
-                    elif Tier.STORAGE in mine:
-                        fetch += page_keys[i * bpc : (i + 1) * bpc]
-                        if answers[chunk] is LookupResult.HIT:
-                            answers[chunk] = LookupResult.HIT_PENDING
-                for part in batches(fetch, batch):
-                    self.client.prefetch(part, policy="best_effort", pool=pool)
+                    elif only := [k for k, t in zip(page_keys[span], tiers[span], strict=True) if t is Tier.STORAGE]:
+                        wanted[chunk] = only
+                arrived = self.prefetch([k for ks in wanted.values() for k in ks], pool, batch)
+                for chunk, only in wanted.items():
+                    if not arrived.issuperset(only):
+                        answers[chunk] = LookupResult.MISS
             hits = [c for c in chunks if answers[c] is LookupResult.HIT]
             hit_pages = [k for c in hits for k in chunk_page_keys(c, bpc)]
             for chunk in hits:
@@ -75,6 +78,17 @@ class RankPools:
                         if len(pinned) < bpc:  # evicted since the Lookup: never a HIT without its pins
                             answers[chunk] = LookupResult.MISS
         return answers
+
+    def prefetch(self, keys: list[bytes], pool: str, batch: int) -> set[bytes]:
+        """Storage -> host for `keys` on `pool`, each call waiting up to the sidecar's prefetch
+        timeout: the keys on host after it (a key it did not bring in time is cancelled)."""
+        arrived: set[bytes] = set()
+        for part in batches(keys, batch):
+            statuses = self.client.prefetch(part, policy="timeout", pool=pool).statuses
+            arrived.update(
+                k for k, s in zip(part, statuses, strict=True) if s in (KeyStatus.RESIDENT, KeyStatus.FETCHED)
+            )
+        return arrived
 
     def tiers(self, page_keys: list[bytes], pool: str, batch: int) -> list[Tier]:
         """Where `pool` holds each of `page_keys`, asked `batch` keys per Lookup."""

@@ -22,7 +22,8 @@ from test_vllm_offload import CTX, blocks_of, chunk_keys, qwen_engine, resolve, 
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext, TransferResult  # noqa: E402
 from vllm_env import FIXTURES, Engine, sidecar_dir  # noqa: E402
 
-from hicache.api import KeyStatus  # noqa: E402
+from hicache.api import KeyStatus, PrefetchOutcome, Tier  # noqa: E402
+from hicache.api import LookupResult as PageLookup  # noqa: E402
 from hicache.integrations.vllm.keys import chunk_page_keys  # noqa: E402
 from hicache.integrations.vllm.manager import HiCacheLoadStoreSpec  # noqa: E402
 
@@ -156,6 +157,52 @@ def test_complete_load_finds_its_load_whatever_order_its_keys_come_in(tmp_path: 
             manager.complete_load(set(keys), a)  # as vLLM's scheduler calls it
             manager.complete_load(keys[::-1], b)
         assert sidecar_pins(eng, 0) == 0 and manager.pinned_pages() == 0
+    finally:
+        manager.shutdown()
+        eng.close()
+
+
+def test_a_used_answer_lets_go_of_its_pins_at_the_end_of_the_step(tmp_path: Path, sidecar: str) -> None:
+    """From the end of the step, the load that used a HIT answer alone holds its pins, and they
+    go when it completes, not lookup_ttl_s later: under vLLM's real server, a small host tier
+    held the last two documents' pages pinned, and the next document's prefetch found no room."""
+    eng = qwen_engine(tmp_path, sidecar, lookup_ttl_s=60)
+    manager = eng.spec.get_manager()
+    try:
+        keys = chunk_keys(2, seed=9)
+        assert store(eng, manager, keys, [1, 2], job=1).success
+        assert resolve(manager, keys)[2:] == [LookupResult.HIT] * 2
+        with manager.lock:
+            manager.prepare_load(keys, CTX)
+            manager.on_schedule_end(None)
+        assert sidecar_pins(eng, 2) == 2 and manager.pinned_pages() == 2  # the load's
+        with manager.lock:
+            manager.complete_load(set(keys), CTX)
+        assert sidecar_pins(eng, 0) == 0 and manager.pinned_pages() == 0
+        with manager.lock:  # the used answer is gone: the next lookup asks the sidecar
+            assert manager.lookup(keys[0], CTX) is LookupResult.RETRY
+    finally:
+        manager.shutdown()
+        eng.close()
+
+
+def test_a_chunk_whose_prefetch_brings_nothing_in_time_is_a_miss_and_pins_nothing(
+    tmp_path: Path, sidecar: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eng = qwen_engine(tmp_path, sidecar)
+    manager = eng.spec.get_manager()
+    client, pool = eng.worker.client, eng.worker.links[0].pool_id
+    try:
+        keys = chunk_keys(2, seed=10)
+        assert store(eng, manager, keys, [1, 2], job=1).success
+        # the sidecar has no storage tier here: a Lookup that says STORAGE, and a Prefetch that
+        # brings nothing before its timeout (NOT_FOUND: cancelled)
+        monkeypatch.setattr(manager.client, "lookup", lambda part, **kw: PageLookup(0, (Tier.STORAGE,) * len(part)))
+        monkeypatch.setattr(
+            manager.client, "prefetch", lambda part, **kw: PrefetchOutcome((KeyStatus.NOT_FOUND,) * len(part))
+        )
+        assert resolve(manager, keys)[2:] == [LookupResult.MISS] * 2
+        assert client.stats(pool)[0].pinned_pages == 0 and manager.pinned_pages() == 0
     finally:
         manager.shutdown()
         eng.close()
