@@ -153,6 +153,7 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
             else:
                 self._failing = False
             for key, answer in answers.items():
+                self._pending.pop(key, None)  # asked again while this was resolved: answered now
                 self._pins.drop_answer(key)  # an expired answer asked again: its pins go
                 self._known[key] = (answer, now + ttl)
                 if answer is LookupResult.HIT:

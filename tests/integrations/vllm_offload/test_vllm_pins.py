@@ -208,6 +208,41 @@ def test_a_chunk_whose_prefetch_brings_nothing_in_time_is_a_miss_and_pins_nothin
         eng.close()
 
 
+def test_chunks_asked_again_while_they_are_resolved_are_not_resolved_and_pinned_twice(
+    tmp_path: Path, sidecar: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM asks every step while a request waits: lookups made while the first resolution is
+    on the sidecar answer RETRY, and once it publishes they are answered too. Under vLLM's
+    real server they were resolved again, and the second answer's pins (never used by a load)
+    held the document's pages for lookup_ttl_s."""
+    eng = qwen_engine(tmp_path, sidecar, lookup_ttl_s=60)
+    manager = eng.spec.get_manager()
+    go, ask = threading.Event(), manager._ranks.ask
+    try:
+        keys = chunk_keys(2, seed=11)
+        assert store(eng, manager, keys, [1, 2], job=1).success
+        monkeypatch.setattr(manager._ranks, "ask", lambda *a: (go.wait(30), ask(*a))[1])
+        for _ in range(2):  # two steps: the second while the first step's resolution is held
+            with manager.lock:
+                assert [manager.lookup(k, CTX) for k in keys] == [LookupResult.RETRY] * 2
+                manager.on_schedule_end(None)
+        go.set()
+        deadline = time.monotonic() + 30
+        while manager.has_pending_work() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not manager.has_pending_work()  # nothing left to resolve
+        with manager.lock:
+            assert [manager.lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 2
+            manager.prepare_load(keys, CTX)
+            manager.on_schedule_end(None)
+            manager.complete_load(set(keys), CTX)
+        assert sidecar_pins(eng, 0) == 0 and manager.pinned_pages() == 0
+    finally:
+        go.set()
+        manager.shutdown()
+        eng.close()
+
+
 def test_an_expedited_load_does_not_wait_behind_regular_loads(
     tmp_path: Path, sidecar: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
