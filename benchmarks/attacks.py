@@ -14,8 +14,9 @@ round 3), each against a real `python -m server` process, with what the sidecar 
 5. absurd model configs: num_hidden_layers 10**12, and malformed JSON;
 6. SIGTERM under load: 4 engines offload 35 MiB and reload it layer-wise, 3 times;
 7. round 4 (benchmarks/attacks_round4.py): host memory after register/unregister cycles, an
-   engine-copy grant slowed past its lease, a member writing onto another's host page, and
-   one member pinning a whole shared cache.
+   engine-copy grant slowed past its lease, a member writing onto another's host page, one
+   member pinning a whole shared cache, an engine-copy tenant claiming 10**6 device pages,
+   and a page planted in the file tier with and without a tier secret.
 """
 
 from __future__ import annotations
