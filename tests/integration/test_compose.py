@@ -22,11 +22,11 @@ from server.config import build_parser as server_parser
 from server.config import parse_args
 from server.envflags import unknown_variables
 
-from .compose_local import ROOT, LocalCompose, dockerfile_image
+from .compose_local import ROOT, LocalCompose, dockerfile_image, read_compose
 
 
 def load() -> tuple[dict[str, Any], dict[str, Any]]:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text()), dockerfile_image(ROOT / "Dockerfile")
+    return read_compose(ROOT / "docker-compose.yml"), dockerfile_image(ROOT / "Dockerfile")
 
 
 def test_compose_and_image_declare_the_deployment():
@@ -179,7 +179,7 @@ def test_docker_compose_up_exits_0():
 
 
 def test_the_gpu_compose_file_is_a_real_sglang_deployment() -> None:
-    gpu = yaml.safe_load((ROOT / "deploy" / "compose.gpu.yml").read_text())
+    gpu = read_compose(ROOT / "deploy" / "compose.gpu.yml")
     s = gpu["services"]
     assert set(s) == {"redis", "hicache", "sglang"}
     build = s["hicache"]["build"]
@@ -195,7 +195,8 @@ def test_the_gpu_compose_file_is_a_real_sglang_deployment() -> None:
     assert s["hicache"]["shm_size"] and "shm_size" not in s["sglang"]
     # SGLang's image gets hicache installed, or it could not load the backend module
     sglang_file = ROOT / "deploy" / s["sglang"]["build"]["context"] / s["sglang"]["build"]["dockerfile"]
-    assert "pip install" in sglang_file.read_text() and "FROM lmsysorg/sglang" in sglang_file.read_text()
+    assert "pip install" in sglang_file.read_text() and "FROM ${SGLANG_IMAGE}" in sglang_file.read_text()
+    assert s["sglang"]["build"]["args"]["SGLANG_IMAGE"].startswith("lmsysorg/sglang:")
     assert s["sglang"]["depends_on"]["hicache"]["condition"] == "service_healthy"
     # the sidecar's flags parse (the model config mapped to a real one, as a container would see it)
     fixture = ROOT / "tests" / "fixtures" / "model_configs" / "mimo_v2_flash.json"
