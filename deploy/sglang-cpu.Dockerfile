@@ -30,7 +30,10 @@ COPY tests/integrations/sglang_server/standins ./standins
 RUN pip install --no-cache-dir . \
  && printf '%s\nimport sglang_cpu_standins\n' /opt/hicache/standins \
       > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sglang_cpu_standins.pth" \
- && python -P -c "import sglang.srt.entrypoints.http_server, hicache.integrations.sglang"
+ && python -P -c "from hicache.transfer import native; assert native.available(), 'C extension not built'" \
+ && SGLANG_USE_CPU_ENGINE=1 python -P -c "import sglang.srt.entrypoints.http_server, hicache.integrations.sglang"
+# not the source folder: `python -m` puts the working directory first on sys.path
+WORKDIR /tmp
 USER 1000
 EXPOSE 30000
 ENTRYPOINT ["python", "-m", "sglang.launch_server"]

@@ -24,7 +24,10 @@ COPY proto ./proto
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir . \
  && python -P -c "import vllm, hicache.integrations.vllm, torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__" \
+ && python -P -c "from hicache.transfer import native; assert native.available(), 'C extension not built'" \
  && apt-get purge -y gcc libc6-dev && apt-get autoremove -y
+# not the source folder: `python -m` puts the working directory first on sys.path
+WORKDIR /tmp
 USER 1000
 EXPOSE 8000
 ENTRYPOINT ["python", "-m", "vllm.entrypoints.openai.api_server"]

@@ -49,8 +49,15 @@ def require_docker() -> None:
 class Project:
     """One compose project (its own containers, networks and volumes), removed by down()."""
 
-    def __init__(self, name: str, files: Sequence[Path] = (ROOT / "docker-compose.yml",), **env: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        files: Sequence[Path] = (ROOT / "docker-compose.yml",),
+        profiles: Sequence[str] = (),
+        **env: str,
+    ) -> None:
         self.base = ["docker", "compose", "-p", name, *(a for f in files for a in ("-f", str(f)))]
+        self.base += [a for p in profiles for a in ("--profile", p)]
         self.env = {**os.environ, **env}
 
     def __call__(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -63,7 +70,9 @@ class Project:
         return r
 
     def down(self) -> None:
-        self("down", "-v", "--remove-orphans", "-t", "5", check=False, timeout=300)
+        """Remove every service, of every profile (a plain `down` leaves those of profiles it
+        was not given), its networks and volumes."""
+        self("--profile", "*", "down", "-v", "--remove-orphans", "-t", "5", check=False, timeout=300)
 
     def published(self, service: str, port: int) -> tuple[str, int]:
         """The host address a service's port is published on (`docker compose port`)."""

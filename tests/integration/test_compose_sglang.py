@@ -65,12 +65,10 @@ def stack() -> Iterator[Stack]:
     require_docker()
     model = tiny_model()
     ports = host_ports("SGLANG_PORT", "SGLANG_ALONE_PORT", "HICACHE_METRICS_HOST_PORT")
-    project = Project("hicache-test-sglang-cpu", (COMPOSE,), MODEL=model, **ports)
+    project = Project("hicache-test-sglang-cpu", (COMPOSE,), ("sglang", "sglang-reference"), MODEL=model, **ports)
     project.down()
     try:
-        up = project(
-            "--profile", "sglang", "--profile", "sglang-reference", "up", "-d", "--build", "--wait", timeout=2400
-        )
+        up = project("up", "-d", "--build", "--wait", timeout=2400)
         stack = Stack(project, up.stdout + up.stderr)
         wait_http(stack.sglang.url + "/health_generate")
         wait_http(stack.alone.url + "/health_generate")
