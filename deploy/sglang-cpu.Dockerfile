@@ -31,9 +31,13 @@ RUN pip install --no-cache-dir . \
  && printf '%s\nimport sglang_cpu_standins\n' /opt/hicache/standins \
       > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sglang_cpu_standins.pth" \
  && python -P -c "from hicache.transfer import native; assert native.available(), 'C extension not built'" \
- && SGLANG_USE_CPU_ENGINE=1 python -P -c "import sglang.srt.entrypoints.http_server, hicache.integrations.sglang"
+ && SGLANG_USE_CPU_ENGINE=1 python -P -c "import sglang.srt.entrypoints.http_server, hicache.integrations.sglang" \
+ && rm -rf /tmp/.cache
 # not the source folder: `python -m` puts the working directory first on sys.path
 WORKDIR /tmp
 USER 1000
+# SGLang's key hash extension (torch's cpp_extension), compiled here into ~/.cache as the
+# user that runs it, instead of at the first request
+RUN python -P -c "from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module as load; load()"
 EXPOSE 30000
 ENTRYPOINT ["python", "-m", "sglang.launch_server"]
