@@ -132,9 +132,15 @@ build_images() {
     local links
     links=$(python3 -m pip config get global.find-links 2>/dev/null || true)
     [ -n "$links" ] && cp "$links"/torch-*cpu*.whl "$ctx/wheels/" 2>/dev/null || true
-    printf '[global]\nfind-links = /opt/wheels\nextra-index-url = https://pypi.org/simple\n%s\n' \
-      'cert = /etc/ssl/certs/ca-certificates.crt
-retries = 2' >"$ctx/pip.conf"
+    # PyPI stays an extra index: the Dockerfiles' --index-url (PyTorch's CPU index) is not
+    # reachable here, and retries = 2 gives up on it quickly
+    cat >"$ctx/pip.conf" <<'EOF'
+[global]
+find-links = /opt/wheels
+extra-index-url = https://pypi.org/simple
+cert = /etc/ssl/certs/ca-certificates.crt
+retries = 2
+EOF
     docker build -q -t "$PYTHON_IMAGE" --build-arg "DEBIAN_IMAGE=$DEBIAN_IMAGE" \
       -f "$HERE/ci/python.Dockerfile" "$ctx" >/dev/null
   fi
