@@ -103,7 +103,8 @@ stop_dockerd() {
     [[ $link == docker0 || $link == br-* ]] || continue
     grep -qxF "$link" <<<"$LINKS_BEFORE" || ip link delete "$link" 2>/dev/null || true
   done
-  while read -r table; do
+  while read -r table; do # "table FAMILY NAME", split into nft's words on purpose
+    # shellcheck disable=SC2086
     [ -n "$table" ] && ! grep -qxF "$table" <<<"$TABLES_BEFORE" && nft delete $table || true
   done < <(nft list tables)
   echo "$FORWARD_BEFORE" >/proc/sys/net/ipv4/ip_forward
