@@ -9,8 +9,9 @@ the sidecar's prefetch timeout), MISS otherwise. Answers are reused for lookup_t
 A HIT must stay loadable (pin_ledger says why): the lookup thread pins a chunk's pages on
 every rank before it answers HIT (rank_pools; a chunk whose pin fails is a MISS), a load
 shares those pins until complete_load, and they are released (off the scheduler thread)
-once no load holds them and the answer has expired, or a load used it (at the step's end). A sidecar that fails a call makes every
-lookup a MISS and every store a refusal for retry_s; no call here raises into the scheduler.
+once no load holds them and the answer has expired, or a load used it (at the step's end).
+A sidecar that fails a call makes every lookup a MISS and every store a refusal for
+retry_s; no call here raises into the scheduler.
 
 The lookup thread and vLLM's scheduler share the manager's state under `lock` (re-entrant):
 vLLM 0.33 holds it around its calls, and on 0.32 each entry point takes it (compat).

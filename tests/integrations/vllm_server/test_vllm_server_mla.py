@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from vllm_server_env import EXTERNAL_HITS, Sidecar, hicache_config, prompt, require_vllm_server, start_vllm_server
@@ -32,6 +33,9 @@ def test_an_mla_model_served_from_hicache_gives_the_engine_alones_output(tmp_pat
         )
         a = prompt(301, 100)
         first = server.complete(a)  # computed: nothing stored yet
+        deadline = time.monotonic() + 30  # vLLM stores after the request: until the sidecar has the pages
+        while sum(p.used_pages for p in sidecar.pools()) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
         before = server.metrics()[EXTERNAL_HITS]
         again = server.complete(a)
         assert server.metrics()[EXTERNAL_HITS] - before == 6 * MLA_BLOCK  # loaded from the sidecar
