@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,18 @@ def sidecar() -> Iterator[str]:
         proc.wait(timeout=60)
 
 
+@contextmanager
+def managed(tmp_path: Path, sidecar: str, **options: Any) -> Iterator[tuple[Engine, Any]]:
+    """A Qwen engine on `sidecar` and its manager, both closed afterwards."""
+    eng = qwen_engine(tmp_path, sidecar, **options)
+    manager = eng.spec.get_manager()
+    try:
+        yield eng, manager
+    finally:
+        manager.shutdown()
+        eng.close()
+
+
 def pages(keys: list[bytes]) -> list[bytes]:
     return [p for k in keys for p in chunk_page_keys(k, 1)]
 
@@ -52,9 +65,7 @@ def sidecar_pins(eng: Engine, want: int) -> int:
 
 
 def test_a_hit_evicted_under_pressure_still_loads_through_vllms_connector(tmp_path: Path, sidecar: str) -> None:
-    eng = qwen_engine(tmp_path, sidecar)
-    manager = eng.spec.get_manager()
-    try:
+    with managed(tmp_path, sidecar) as (eng, manager):
         keys = chunk_keys(2, seed=3)
         want = blocks_of(eng, [1, 2])
         assert store(eng, manager, keys, [1, 2], job=1).success
@@ -73,17 +84,12 @@ def test_a_hit_evicted_under_pressure_still_loads_through_vllms_connector(tmp_pa
             manager.complete_load(keys, CTX)
             manager.reset_cache()  # drops the answers: nothing holds the pins now
         assert sidecar_pins(eng, 0) == 0
-    finally:
-        manager.shutdown()
-        eng.close()
 
 
 def test_a_chunk_whose_pin_fails_is_a_miss_and_keeps_no_pin(
     tmp_path: Path, sidecar: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    eng = qwen_engine(tmp_path, sidecar)
-    manager = eng.spec.get_manager()
-    try:
+    with managed(tmp_path, sidecar) as (eng, manager):
         keys = chunk_keys(3, seed=4)
         assert store(eng, manager, keys, [1, 2, 3], job=1).success
         client, pool = eng.worker.client, eng.worker.links[0].pool_id
@@ -97,31 +103,21 @@ def test_a_chunk_whose_pin_fails_is_a_miss_and_keeps_no_pin(
         assert resolve(manager, keys)[3:] == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]
         assert sidecar_pins(eng, 2) == 2 and manager.pinned_pages() == 2  # chunk 2's page: pinned, then unpinned
         assert client.lookup(pages(keys), pool=pool).prefix_length == 1
-    finally:
-        manager.shutdown()
-        eng.close()
 
 
 def test_an_answer_no_load_uses_unpins_when_it_expires_even_without_a_step(tmp_path: Path, sidecar: str) -> None:
-    eng = qwen_engine(tmp_path, sidecar, lookup_ttl_s=0.2)
-    manager = eng.spec.get_manager()
-    try:
+    with managed(tmp_path, sidecar, lookup_ttl_s=0.2) as (eng, manager):
         keys = chunk_keys(2, seed=5)
         assert store(eng, manager, keys, [1, 2], job=1).success
         assert resolve(manager, keys)[2:] == [LookupResult.HIT] * 2
         assert eng.worker.client.stats(eng.worker.links[0].pool_id)[0].pinned_pages == 2
         assert sidecar_pins(eng, 0) == 0  # no call from vLLM meanwhile
         assert manager.pinned_pages() == 0
-    finally:
-        manager.shutdown()
-        eng.close()
 
 
 def test_complete_load_releases_only_the_pins_its_own_load_holds(tmp_path: Path, sidecar: str) -> None:
-    eng = qwen_engine(tmp_path, sidecar)
-    manager = eng.spec.get_manager()
-    a, b = ReqContext(req_id="a"), ReqContext(req_id="b")
-    try:
+    with managed(tmp_path, sidecar) as (eng, manager):
+        a, b = ReqContext(req_id="a"), ReqContext(req_id="b")
         keys = chunk_keys(2, seed=6)
         assert store(eng, manager, keys, [1, 2], job=1).success
         assert resolve(manager, keys)[2:] == [LookupResult.HIT] * 2
@@ -134,19 +130,14 @@ def test_complete_load_releases_only_the_pins_its_own_load_holds(tmp_path: Path,
         with manager.lock:
             manager.complete_load(keys, a)
         assert sidecar_pins(eng, 0) == 0
-    finally:
-        manager.shutdown()
-        eng.close()
 
 
 def test_complete_load_finds_its_load_whatever_order_its_keys_come_in(tmp_path: Path, sidecar: str) -> None:
     """vLLM's scheduler hands prepare_load a list of chunk keys and complete_load the set of
     them (TransferJobStatus.keys): measured under its real server, a load of a 48-chunk
     document kept its pins forever, and the host tier filled with pinned pages."""
-    eng = qwen_engine(tmp_path, sidecar)
-    manager = eng.spec.get_manager()
-    a, b = ReqContext(req_id="a"), ReqContext(req_id="b")
-    try:
+    with managed(tmp_path, sidecar) as (eng, manager):
+        a, b = ReqContext(req_id="a"), ReqContext(req_id="b")
         keys = chunk_keys(6, seed=8)
         assert store(eng, manager, keys, [1, 2, 3, 4, 5, 6], job=1).success
         assert resolve(manager, keys)[6:] == [LookupResult.HIT] * 6
@@ -157,18 +148,13 @@ def test_complete_load_finds_its_load_whatever_order_its_keys_come_in(tmp_path: 
             manager.complete_load(set(keys), a)  # as vLLM's scheduler calls it
             manager.complete_load(keys[::-1], b)
         assert sidecar_pins(eng, 0) == 0 and manager.pinned_pages() == 0
-    finally:
-        manager.shutdown()
-        eng.close()
 
 
 def test_a_used_answer_lets_go_of_its_pins_at_the_end_of_the_step(tmp_path: Path, sidecar: str) -> None:
     """From the end of the step, the load that used a HIT answer alone holds its pins, and they
     go when it completes, not lookup_ttl_s later: under vLLM's real server, a small host tier
     held the last two documents' pages pinned, and the next document's prefetch found no room."""
-    eng = qwen_engine(tmp_path, sidecar, lookup_ttl_s=60)
-    manager = eng.spec.get_manager()
-    try:
+    with managed(tmp_path, sidecar, lookup_ttl_s=60) as (eng, manager):
         keys = chunk_keys(2, seed=9)
         assert store(eng, manager, keys, [1, 2], job=1).success
         assert resolve(manager, keys)[2:] == [LookupResult.HIT] * 2
@@ -181,18 +167,13 @@ def test_a_used_answer_lets_go_of_its_pins_at_the_end_of_the_step(tmp_path: Path
         assert sidecar_pins(eng, 0) == 0 and manager.pinned_pages() == 0
         with manager.lock:  # the used answer is gone: the next lookup asks the sidecar
             assert manager.lookup(keys[0], CTX) is LookupResult.RETRY
-    finally:
-        manager.shutdown()
-        eng.close()
 
 
 def test_a_chunk_whose_prefetch_brings_nothing_in_time_is_a_miss_and_pins_nothing(
     tmp_path: Path, sidecar: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    eng = qwen_engine(tmp_path, sidecar)
-    manager = eng.spec.get_manager()
-    client, pool = eng.worker.client, eng.worker.links[0].pool_id
-    try:
+    with managed(tmp_path, sidecar) as (eng, manager):
+        client, pool = eng.worker.client, eng.worker.links[0].pool_id
         keys = chunk_keys(2, seed=10)
         assert store(eng, manager, keys, [1, 2], job=1).success
         # the sidecar has no storage tier here: a Lookup that says STORAGE, and a Prefetch that
@@ -203,9 +184,6 @@ def test_a_chunk_whose_prefetch_brings_nothing_in_time_is_a_miss_and_pins_nothin
         )
         assert resolve(manager, keys)[2:] == [LookupResult.MISS] * 2
         assert client.stats(pool)[0].pinned_pages == 0 and manager.pinned_pages() == 0
-    finally:
-        manager.shutdown()
-        eng.close()
 
 
 def test_chunks_asked_again_while_they_are_resolved_are_not_resolved_and_pinned_twice(
