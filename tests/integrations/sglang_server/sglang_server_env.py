@@ -123,20 +123,24 @@ def start_sglang_server(
     page: int = PAGE,
     host_ratio: float | None = 2.0,
     levelled: bool = False,
+    tokenizer: bool = False,
 ) -> SglangServer:
     """SGLang's server for `model` on CPU, `tokens` tokens in its device pool
     (--max-total-tokens) in pages of `page`, once /generate answers. Its hierarchical cache
     has a host tier of `host_ratio` times the device's (None: no hierarchical cache, SGLang's
     radix cache alone). `levelled`: its log lines in LOG_FORMAT. Raises RuntimeError with
-    the log's tail."""
+    the log's tail. `tokenizer`: load the folder's tokenizer (text prompts, /v1/completions)
+    instead of --skip-tokenizer-init."""
     from integrations.vllm_server.vllm_server_env import free_port
 
     port = free_port()
     args = [
         python, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
-        "--device", "cpu", "--attention-backend", "torch_native", "--skip-tokenizer-init", "--disable-cuda-graph",
+        "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
         "--page-size", str(page), "--max-total-tokens", str(tokens),
     ]  # fmt: skip
+    if not tokenizer:
+        args.append("--skip-tokenizer-init")
     if host_ratio is not None:
         args += ["--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-ratio", f"{host_ratio:g}"]
     args += extra

@@ -119,20 +119,25 @@ def start_vllm_server(
     python: str = SERVER_PYTHON,
     timeout_s: float = 300.0,
     extra: tuple[str, ...] = (),
+    tokenizer: bool = False,
+    dtype: str = "bfloat16",
 ) -> VllmServer:
     """vLLM's OpenAI server for `model` (a folder) on a free loopback port, once /health
     answers. `blocks` KV blocks (num_gpu_blocks_override; one is vLLM's null block), so a
-    prompt of more than (blocks - 1) * block_size tokens in flight evicts. Raises
+    prompt of more than (blocks - 1) * block_size tokens in flight evicts. `tokenizer`: load
+    the folder's tokenizer (text prompts) instead of --skip-tokenizer-init. Raises
     RuntimeError, with the log's tail, when the server exits or is not healthy in time."""
     port = free_port()
     args = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--host", "127.0.0.1", "--port", str(port),
-        "--skip-tokenizer-init", "--load-format", "auto", "--enforce-eager", "--dtype", "bfloat16",
+        "--load-format", "auto", "--enforce-eager", "--dtype", dtype,
         "--block-size", str(block_size), "--num-gpu-blocks-override", str(blocks),
         "--kv-cache-memory-bytes", str(kv_cache_memory_bytes), "--max-model-len", str(max_model_len),
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
     ]  # fmt: skip
+    if not tokenizer:
+        args.append("--skip-tokenizer-init")
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     base, took = launch([*args, *extra], log, port, health="/health", name="vLLM's server", timeout_s=timeout_s)
