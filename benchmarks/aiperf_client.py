@@ -50,7 +50,8 @@ class Client:
 
     def profile(self, urls: list[str], model: str, trace: Path, block: int, out: Path, timeout_s: float = 3600) -> Run:
         """Replays `trace` (mooncake_trace rows) at its timestamps against `urls` (round robin),
-        streaming completions; every request generates exactly its output_length tokens.
+        streaming completions, a new connection for each request (a pooled one can meet the
+        server closing it); every request generates exactly its output_length tokens.
         Raises RuntimeError, with AIPerf's output, when it fails."""
         args = [str(self.aiperf), "profile", "--model-names", model, "--tokenizer", self.tokenizer]
         for url in urls:
@@ -59,6 +60,7 @@ class Client:
             "--endpoint-type", "completions", "--streaming", "--custom-dataset-type", "mooncake_trace",
             "--input-file", str(trace), "--isl-block-size", str(block), "--fixed-schedule",
             "--extra-inputs", "ignore_eos:true", "--use-server-token-count", "--random-seed", "1",
+            "--connection-reuse-strategy", "never",
             "--request-timeout-seconds", "1800", "--output-artifact-dir", str(out), "--ui-type", "none",
             "--no-gpu-telemetry", "--no-server-metrics",
         ]  # fmt: skip
@@ -87,9 +89,12 @@ class Run:
         return sum(int(e.get("count", 1)) for e in self.summary.get("error_summary") or [])
 
     def prompt_lengths(self) -> dict[int, int]:
-        """Each request's prompt tokens as the server counted them, by its index in the trace."""
+        """Each answered request's prompt tokens as the server counted them, by its index in the
+        trace (a failed request has none: `errors` counts it)."""
         out = {}
         for record in self.records:
+            if "input_sequence_length" not in record["metrics"]:
+                continue
             session = record["metadata"]["conversation_id"]
             out[int(session.rpartition("_")[2])] = int(record["metrics"]["input_sequence_length"]["value"])
         return out

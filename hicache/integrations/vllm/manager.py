@@ -4,7 +4,10 @@ vLLM asks lookup() one chunk at a time, holding the scheduler. So a chunk the ma
 not seen answers RETRY, and at the end of the step background Lookups on each worker pool
 (BATCH page keys per call, see batches) resolve every chunk asked for: HIT when each rank
 holds all its pages in host memory, once pages only in storage are prefetched (waiting up to
-the sidecar's prefetch timeout), MISS otherwise. Answers are reused for lookup_ttl_s.
+the sidecar's prefetch timeout), MISS otherwise. Answers are reused for lookup_ttl_s from the
+end of the first scheduling pass after they arrive (MAX_STEP_S at most before it): on a busy
+CPU a step can outlast the TTL, and an answer that expired unseen deferred its request again,
+step after step.
 
 A HIT must stay loadable (pin_ledger says why): the lookup thread pins a chunk's pages on
 every rank before it answers HIT (rank_pools; a chunk whose pin fails is a MISS), a load
@@ -13,8 +16,8 @@ once no load holds them and the answer has expired, or a load used it (at the st
 A sidecar that fails a call makes every lookup a MISS and every store a refusal for
 retry_s; no call here raises into the scheduler.
 
-The lookup thread and vLLM's scheduler share the manager's state under `lock` (re-entrant):
-vLLM 0.33 holds it around its calls, and on 0.32 each entry point takes it (compat).
+The lookup thread and vLLM's scheduler share its state under `lock` (re-entrant): vLLM 0.33
+holds it around its calls; on 0.32 each entry point takes it (compat).
 
 With vLLM's KV events on (--kv-events-config), take_events reports what the sidecar holds of
 the chunks vLLM stored or looked up: stores and removals, host pool as Medium.CPU and
@@ -54,20 +57,12 @@ from hicache.integrations.vllm.rank_pools import RankPools
 
 log = logging.getLogger("hicache.integrations.vllm")
 SWEEP_MARGIN_S = 0.05  # the sweep of unused answers runs this long after they expire
+MAX_STEP_S = 30.0  # how long an answer waits for a scheduling pass (an idle engine runs none)
 
 
 # vLLM's calls into the manager that touch its state (not shutdown, which takes the lock itself)
-ENTRY_POINTS = (
-    "lookup",
-    "on_schedule_end",
-    "has_pending_work",
-    "prepare_load",
-    "complete_load",
-    "prepare_store",
-    "complete_store",
-    "take_events",
-    "reset_cache",
-)
+ENTRY_POINTS = ("lookup", "on_schedule_end", "has_pending_work", "prepare_load", "complete_load", "prepare_store")
+ENTRY_POINTS += ("complete_store", "take_events", "reset_cache")
 
 
 @compat.locked_entry_points(ENTRY_POINTS)
@@ -76,14 +71,14 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self.options, self.config, self.client = options, config, client
         self.blocks_per_chunk = config.cache.blocks_per_chunk
         self._lock = threading.RLock()  # vLLM's calls hold it (see compat); the lookup thread takes it too
-        self._known: dict[bytes, tuple[LookupResult, float]] = {}
+        self._known: dict[bytes, tuple[LookupResult, float]] = {}  # chunk -> answer, until
+        self._unseen: dict[bytes, float] = {}  # answers no scheduling pass has seen yet -> their TTL
         self._pins = PinLedger()  # its `held`: the pins behind each HIT answer in _known
         self._pending: dict[bytes, None] = {}
         self._loaded: set[bytes] = set()  # chunks loads took this step: their answers go at its end
         self._inflight: Future[None] | None = None
         self._thread = LookupThread()
-        self._closed = False
-        self._down_until = 0.0
+        self._closed, self._down_until = False, 0.0
         self._failing = False  # since the last lookup that succeeded (the failure was logged)
         self.residency: ChunkResidency | None = None  # with vLLM's KV events on: what the sidecar holds
         self.feed: SidecarEventFeed | None = None
@@ -111,7 +106,6 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         """How many page pins this manager holds on the sidecar (answers and loads)."""
         return self._pins.pinned_pages()
 
-    # ---- lookups -------------------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         now = time.monotonic()
         known = self._known.get(key)
@@ -123,11 +117,16 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return LookupResult.RETRY
 
     def on_schedule_end(self, context: Any) -> None:
+        now = time.monotonic()
+        for key, ttl in self._unseen.items():  # this pass could use them: their TTL runs from now
+            if (known := self._known.get(key)) is not None:
+                self._known[key] = (known[0], now + ttl)
+        self._unseen.clear()
         for key in self._loaded:  # its loads hold the pins now; a later lookup asks the sidecar
             self._known.pop(key, None)
             self._pins.drop_answer(key)
         self._loaded.clear()
-        self._expire(time.monotonic())
+        self._expire(now)
         if self._pending and (self._inflight is None or self._inflight.done()):
             keys, self._pending = list(self._pending), {}
             self._inflight = self._thread.submit(self._resolve, keys)
@@ -156,7 +155,8 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
             for key, answer in answers.items():
                 self._pending.pop(key, None)  # asked again while this was resolved: answered now
                 self._pins.drop_answer(key)  # an expired answer asked again: its pins go
-                self._known[key] = (answer, now + ttl)
+                self._known[key] = (answer, now + MAX_STEP_S)
+                self._unseen[key] = ttl
                 if answer is LookupResult.HIT:
                     self._pins.held[key] = pins.pop(key)
             self._pins.released += pins.values()  # the pins of chunks that are not HITs
@@ -185,7 +185,6 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if len(self._known) > 100_000:
             self._known = {k: v for k, v in self._known.items() if v[1] > now}
 
-    # ---- pins ----------------------------------------------------------------------------------
     def _flush(self) -> None:
         """Unpin the released pins on the lookup thread. Called with the lock held."""
         if self._pins.released:
@@ -210,7 +209,6 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._unpin(released)
         self._arm()
 
-    # ---- loads -------------------------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """The load shares the pins the chunks' HIT answers hold, until complete_load."""
         try:
@@ -228,7 +226,6 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         except Exception as exc:
             log.warning("hicache complete_load failed: %s", exc)
 
-    # ---- stores ------------------------------------------------------------------------------
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Store the chunks not known to be held already; None while the sidecar is down.
         The sidecar evicts on its own, so no evicted keys are reported."""
@@ -268,10 +265,9 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return self._pins.loading(req_ids)
 
     def load_failed(self, keys: Collection[bytes] | None) -> None:
-        """A load of `keys` failed (None: of keys not known here). Their answers, reused for
-        lookup_ttl_s, may be what failed: they answer MISS for retry_s instead (every lookup
-        does, for None), so vLLM computes those tokens rather than load them again and fail
-        again. Called with the lock held."""
+        """A load of `keys` failed (None: of keys not known here). Their answers may be what
+        failed: they answer MISS for retry_s instead (every lookup does, for None), so vLLM
+        computes those tokens rather than fail again. Called with the lock held."""
         if keys is None:
             self._fail("load", RuntimeError("a worker could not load its blocks"))
             self.reset_cache()
@@ -279,11 +275,13 @@ class HiCacheOffloadingManager(OffloadingManager):  # type: ignore[misc]
         until = time.monotonic() + self.options.retry_s
         for key in keys:
             self._known[key] = (LookupResult.MISS, until)
+            self._unseen.pop(key, None)
             self._pins.drop_answer(key)
         self._flush()
 
     def reset_cache(self) -> None:
         self._known.clear()
+        self._unseen.clear()
         self._pending.clear()
         self._pins.drop_answers()
         self._flush()

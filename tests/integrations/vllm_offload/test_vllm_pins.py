@@ -25,6 +25,7 @@ from vllm_env import FIXTURES, Engine, sidecar_dir  # noqa: E402
 
 from hicache.api import KeyStatus, PrefetchOutcome, Tier  # noqa: E402
 from hicache.api import LookupResult as PageLookup  # noqa: E402
+from hicache.integrations.vllm import manager as manager_module  # noqa: E402
 from hicache.integrations.vllm.keys import chunk_page_keys  # noqa: E402
 from hicache.integrations.vllm.manager import HiCacheLoadStoreSpec  # noqa: E402
 
@@ -110,8 +111,34 @@ def test_an_answer_no_load_uses_unpins_when_it_expires_even_without_a_step(tmp_p
         keys = chunk_keys(2, seed=5)
         assert store(eng, manager, keys, [1, 2], job=1).success
         assert resolve(manager, keys)[2:] == [LookupResult.HIT] * 2
+        with manager.lock:
+            manager.on_schedule_end(None)  # the pass that saw the answers ends: their TTL runs
         assert eng.worker.client.stats(eng.worker.links[0].pool_id)[0].pinned_pages == 2
         assert sidecar_pins(eng, 0) == 0  # no call from vLLM meanwhile
+        assert manager.pinned_pages() == 0
+
+
+def test_an_answer_outlives_a_step_longer_than_its_ttl_until_a_pass_has_seen_it(
+    tmp_path: Path, sidecar: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under vLLM's real server on a busy CPU a step took longer than lookup_ttl_s: answers that
+    arrived during it had expired by the next pass, which deferred their requests again (AIPerf
+    on Mooncake's trace: every waiting request deferred, the engine idle)."""
+    with managed(tmp_path, sidecar, lookup_ttl_s=0.2) as (eng, manager):
+        keys = chunk_keys(2, seed=6)
+        assert store(eng, manager, keys, [1, 2], job=1).success
+        assert resolve(manager, keys)[:2] == [LookupResult.RETRY] * 2
+        time.sleep(0.5)  # the step that runs while the answers arrive
+        with manager.lock:
+            assert [manager.lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 2
+            manager.on_schedule_end(None)
+        assert manager.pinned_pages() == 2
+        assert sidecar_pins(eng, 0) == 0  # lookup_ttl_s after that pass, with no step since
+        with manager.lock:
+            assert [manager.lookup(k, CTX) for k in keys] == [LookupResult.RETRY] * 2
+        monkeypatch.setattr(manager_module, "MAX_STEP_S", 0.3)
+        assert resolve(manager, keys)[2:] == [LookupResult.HIT] * 2
+        assert sidecar_pins(eng, 0) == 0  # no pass ever sees them (an idle engine): MAX_STEP_S
         assert manager.pinned_pages() == 0
 
 
