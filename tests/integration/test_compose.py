@@ -186,6 +186,7 @@ def test_the_gpu_compose_file_is_a_real_sglang_deployment() -> None:
     # (shm_size) holds the host pools, so that both outlive a sidecar killed and started again
     anchor = s["ipc-anchor"]
     assert anchor["ipc"] == "shareable" and anchor["shm_size"] and anchor["init"] is True
+    assert anchor["healthcheck"]["test"] == ["CMD", "true"]  # the image's would check a sidecar
     assert anchor["image"] == s["hicache"]["image"] and anchor["entrypoint"] == ["sleep", "infinity"]
     for name in ("hicache", "sglang"):
         assert s[name]["ipc"] == s[name]["pid"] == "service:ipc-anchor" and "shm_size" not in s[name]
