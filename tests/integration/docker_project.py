@@ -15,8 +15,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -131,3 +133,38 @@ def tiny_model() -> str:
     for path in (folder, model, *model.iterdir()):
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
     return str(model)
+
+
+S = TypeVar("S")
+
+
+@contextmanager
+def engine_stack(
+    name: str,
+    files: Sequence[Path],
+    profiles: Sequence[str],
+    ports: Sequence[str],
+    make: Callable[[Project, str], S],
+    health: Callable[[S], Sequence[str]],
+    logs: Mapping[str, int],
+) -> Iterator[S]:
+    """An engine profile's project on the tiny model, running: `up -d --build --wait` with a
+    free loopback port for each variable in `ports` and HICACHE_METRICS_HOST_PORT, then
+    make(project, up's output) once every URL health(stack) names answers 200. On the way
+    out, the last `logs[service]` characters of each service's log are printed (pytest shows
+    them when a test failed), the project is taken down and the model folder removed."""
+    require_docker()
+    model = tiny_model()
+    env = host_ports(*ports, "HICACHE_METRICS_HOST_PORT")
+    project = Project(name, files, profiles, MODEL=model, **env)
+    project.down()  # what an interrupted earlier run left
+    try:
+        up = project("up", "-d", "--build", "--wait", timeout=2400)
+        stack = make(project, up.stdout + up.stderr)
+        for url in health(stack):
+            wait_http(url)
+        yield stack
+    finally:
+        print(*(project.logs(service)[-chars:] for service, chars in logs.items()))
+        project.down()
+        shutil.rmtree(Path(model).parent, ignore_errors=True)

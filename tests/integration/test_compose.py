@@ -28,12 +28,24 @@ def load() -> tuple[dict[str, Any], dict[str, Any]]:
     return read_compose(ROOT / "docker-compose.yml"), dockerfile_image(ROOT / "Dockerfile")
 
 
+def shm_volume(spec: dict[str, Any]) -> str:
+    """The named volume a service mounts at /dev/shm, with nocopy (else Docker copies the
+    image's root-owned /dev/shm onto it, and the services' uid cannot create segments)."""
+    (mount,) = [str(v).split(":") for v in spec["volumes"] if str(v).split(":")[1] == "/dev/shm"]
+    assert mount[2:] == ["nocopy"], mount
+    return mount[0]
+
+
 def test_compose_and_image_declare_the_deployment():
     compose, image = load()
     s = compose["services"]
     assert {"hicache", "engine", "redis"} <= set(s)
-    assert s["hicache"]["ipc"] == "shareable" and s["engine"]["ipc"] == "service:hicache"
-    assert s["hicache"]["shm_size"]
+    # /dev/shm is one tmpfs volume, which outlives a sidecar killed and started again, not the
+    # sidecar's IPC namespace (a restarted sidecar's new /dev/shm is not the running engine's)
+    assert "ipc" not in s["hicache"] and "ipc" not in s["engine"] and "shm_size" not in s["hicache"]
+    shm = shm_volume(s["hicache"])
+    assert shm_volume(s["engine"]) == shm and compose["volumes"][shm]["driver_opts"]["type"] == "tmpfs"
+    assert "size=2g" in compose["volumes"][shm]["driver_opts"]["o"]
     socket_dir = "/run/hicache"
     assert image["env"]["HICACHE_SOCKET"].startswith(socket_dir + "/")
     for name in ("hicache", "engine"):
@@ -122,6 +134,10 @@ def test_the_cluster_profile_declares_two_nodes_over_one_cluster(tmp_path: Path)
     assert cluster == {"redis-cluster", "hicache-a", "hicache-b", "engine-a", "engine-b"}
     assert not any(spec.get("profiles") for n, spec in s.items() if n not in cluster)  # the default run is unchanged
     assert s["hicache-a"]["volumes"] != s["hicache-b"]["volumes"]  # own sockets, own host pools
+    for node in "ab":
+        assert not {"ipc", "shm_size"} & {*s[f"hicache-{node}"], *s[f"engine-{node}"]}
+        assert shm_volume(s[f"hicache-{node}"]) == shm_volume(s[f"engine-{node}"]) == f"node-{node}-shm"
+        assert compose["volumes"][f"node-{node}-shm"]["driver_opts"]["type"] == "tmpfs"
     assert s["engine-b"]["depends_on"]["engine-a"]["condition"] == "service_completed_successfully"
     assert "--require-cross-node-hits" in s["engine-b"]["command"]
     local = LocalCompose(compose, image, tmp_path, profiles=("cluster",))
@@ -157,7 +173,7 @@ def test_the_cluster_profile_runs_as_local_processes_and_node_b_hits_node_as_pag
 def test_the_gpu_compose_file_is_a_real_sglang_deployment() -> None:
     gpu = read_compose(ROOT / "deploy" / "compose.gpu.yml")
     s = gpu["services"]
-    assert set(s) == {"redis", "hicache", "sglang"}
+    assert set(s) == {"redis", "ipc-anchor", "hicache", "sglang"}
     build = s["hicache"]["build"]
     assert (ROOT / "deploy" / build["context"] / "Dockerfile").is_file()
     assert "cu" in build["args"]["TORCH_INDEX"] and "cuda" in build["args"]["EXTRAS"]
@@ -166,9 +182,15 @@ def test_the_gpu_compose_file_is_a_real_sglang_deployment() -> None:
         (device,) = s[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
         assert any(str(v).startswith("hicache-run:/run/hicache") for v in s[name]["volumes"])
-    # SGLang joins the sidecar's IPC namespace, whose /dev/shm (shm_size) holds the host pools
-    assert s["sglang"]["ipc"] == "service:hicache" and s["hicache"]["ipc"] == "shareable"
-    assert s["hicache"]["shm_size"] and "shm_size" not in s["sglang"]
+    # the sidecar and SGLang join the anchor's IPC and pid namespaces, whose /dev/shm
+    # (shm_size) holds the host pools, so that both outlive a sidecar killed and started again
+    anchor = s["ipc-anchor"]
+    assert anchor["ipc"] == "shareable" and anchor["shm_size"] and anchor["init"] is True
+    assert anchor["healthcheck"]["test"] == ["CMD", "true"]  # the image's would check a sidecar
+    assert anchor["image"] == s["hicache"]["image"] and anchor["entrypoint"] == ["sleep", "infinity"]
+    for name in ("hicache", "sglang"):
+        assert s[name]["ipc"] == s[name]["pid"] == "service:ipc-anchor" and "shm_size" not in s[name]
+    assert s["hicache"]["depends_on"]["ipc-anchor"]["condition"] == "service_started"
     # SGLang's image gets hicache installed, or it could not load the backend module
     sglang_file = ROOT / "deploy" / s["sglang"]["build"]["context"] / s["sglang"]["build"]["dockerfile"]
     assert "pip install" in sglang_file.read_text() and "FROM ${SGLANG_IMAGE}" in sglang_file.read_text()

@@ -1,13 +1,16 @@
 """docker-compose.yml under a real Docker engine: the README's `docker compose up`, /metrics on
-its published loopback port after the demo engine's run, and the cluster profile. Without an
-engine these skip; `make test-compose` (HICACHE_REQUIRE_DOCKER=1) fails instead."""
+its published loopback port after the demo engine's run, an engine container that outlives a
+SIGKILLed sidecar, and the cluster profile. Without an engine these skip; `make test-compose`
+(HICACHE_REQUIRE_DOCKER=1) fails instead."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 
 import pytest
 
+from .compose_local import ROOT, read_compose
 from .docker_project import Project, host_ports, require_docker, scrape, total
 
 
@@ -42,6 +45,27 @@ def test_metrics_are_published_on_loopback_and_count_the_demo(project: Project) 
     stored = total(after, "hicache_pages_total", direction="host_to_storage")
     reloaded = total(after, "hicache_pages_total", direction="storage_to_host")
     assert stored > 0 and 0 < reloaded <= stored, (stored, reloaded)  # the demo's pages went to Redis and back
+
+
+def test_a_running_engine_maps_the_pools_of_a_sidecar_sigkilled_and_started_again(project: Project) -> None:
+    project("up", "-d", "--build", "--wait", "hicache", timeout=1800)
+    # the engine service's container (its volumes, its /dev/shm), kept running across the
+    # sidecar's restart; its demo is run in it before and after
+    engine = project("run", "-d", "--entrypoint", "sleep", "engine", "infinity").stdout.strip().splitlines()[-1]
+    command = read_compose(ROOT / "docker-compose.yml")["services"]["engine"]["command"]
+    demo = ["docker", "exec", engine, "hicache", *command]
+    try:
+        first = subprocess.run(demo, capture_output=True, text=True, timeout=600)
+        assert "result: all checks passed" in first.stdout, first.stdout[-3000:] + first.stderr[-3000:]
+        project("kill", "-s", "SIGKILL", "hicache")
+        project("up", "-d", "--wait", "hicache", timeout=300)
+        again = subprocess.run(demo, capture_output=True, text=True, timeout=600)
+        out = again.stdout[-3000:] + again.stderr[-3000:] + project.logs("hicache")[-2000:]
+        assert "result: all checks passed" in again.stdout, out
+        storage = next(line for line in again.stdout.splitlines() if "storage tier " in line and "%" in line)
+        assert int(storage.split()[2]) > 0, out  # pages came back from Redis, through the new sidecar
+    finally:
+        subprocess.run(["docker", "rm", "-f", engine], capture_output=True, timeout=120)
 
 
 def test_the_cluster_profile_serves_node_b_from_node_as_pages(project: Project) -> None:

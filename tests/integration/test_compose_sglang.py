@@ -12,17 +12,15 @@ but recomputation, and hits return."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from integrations.sglang_server.sglang_server_env import SglangServer, cached, hicache_args
 from integrations.vllm_server.vllm_server_env import prompt
 
 from .compose_local import ROOT, read_compose
-from .docker_project import Project, host_ports, require_docker, scrape, tiny_model, total, wait_http
+from .docker_project import Project, engine_stack, scrape, total
 
 COMPOSE = ROOT / "deploy" / "compose.cpu.yml"
 PAGE = 32  # the file's --page-size
@@ -62,21 +60,16 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    require_docker()
-    model = tiny_model()
-    ports = host_ports("SGLANG_PORT", "SGLANG_ALONE_PORT", "HICACHE_METRICS_HOST_PORT")
-    project = Project("hicache-test-sglang-cpu", (COMPOSE,), ("sglang", "sglang-reference"), MODEL=model, **ports)
-    project.down()
-    try:
-        up = project("up", "-d", "--build", "--wait", timeout=2400)
-        stack = Stack(project, up.stdout + up.stderr)
-        wait_http(stack.sglang.url + "/health_generate")
-        wait_http(stack.alone.url + "/health_generate")
+    with engine_stack(
+        "hicache-test-sglang-cpu",
+        (COMPOSE,),
+        ("sglang", "sglang-reference"),
+        ("SGLANG_PORT", "SGLANG_ALONE_PORT"),
+        Stack,
+        lambda s: (s.sglang.url + "/health_generate", s.alone.url + "/health_generate"),
+        {"sglang": 4000, "hicache": 2000},
+    ) as stack:
         yield stack
-    finally:
-        print(project.logs("sglang")[-4000:], project.logs("hicache")[-2000:])  # shown when a test failed
-        project.down()
-        shutil.rmtree(Path(model).parent, ignore_errors=True)
 
 
 def test_the_compose_file_configures_hicache_as_the_real_server_tests_do() -> None:

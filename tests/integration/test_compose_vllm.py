@@ -11,10 +11,8 @@ and hits return."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from integrations.vllm_server.vllm_server_env import (
@@ -27,7 +25,7 @@ from integrations.vllm_server.vllm_server_env import (
 )
 
 from .compose_local import ROOT, read_compose
-from .docker_project import Project, host_ports, require_docker, scrape, tiny_model, total, wait_http
+from .docker_project import Project, engine_stack, scrape, total
 
 COMPOSE = ROOT / "deploy" / "compose.cpu.yml"
 
@@ -59,21 +57,16 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    require_docker()
-    model = tiny_model()
-    ports = host_ports("VLLM_PORT", "VLLM_ALONE_PORT", "HICACHE_METRICS_HOST_PORT")
-    project = Project("hicache-test-vllm-cpu", (COMPOSE,), ("vllm", "vllm-reference"), MODEL=model, **ports)
-    project.down()
-    try:
-        up = project("up", "-d", "--build", "--wait", timeout=2400)
-        stack = Stack(project, up.stdout + up.stderr)
-        wait_http(stack.vllm.url + "/health")
-        wait_http(stack.alone.url + "/health")
+    with engine_stack(
+        "hicache-test-vllm-cpu",
+        (COMPOSE,),
+        ("vllm", "vllm-reference"),
+        ("VLLM_PORT", "VLLM_ALONE_PORT"),
+        Stack,
+        lambda s: (s.vllm.url + "/health", s.alone.url + "/health"),
+        {"vllm": 4000, "hicache": 2000},
+    ) as stack:
         yield stack
-    finally:
-        print(project.logs("vllm")[-4000:], project.logs("hicache")[-2000:])  # shown when a test failed
-        project.down()
-        shutil.rmtree(Path(model).parent, ignore_errors=True)
 
 
 def test_the_compose_file_configures_hicache_as_the_readme_does() -> None:
