@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -31,15 +33,25 @@ VLLM_CONFIGS = ("engine", "hicache", "file", "replicas")
 SGLANG_CONFIGS = ("engine", "hicachefile", "hicache", "file")
 SGLANG_HOST_RATIO = 2.0  # SGLang's own host tier, times its device pool, where it has one
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# the servers' own timings (Prometheus histograms), reported as means per request: where the time goes
+TIMINGS = {
+    "vllm": {
+        "server_ttft": "vllm:time_to_first_token_seconds",
+        "queue": "vllm:request_queue_time_seconds",
+        "prefill": "vllm:request_prefill_time_seconds",
+    },
+    "sglang": {"server_ttft": "sglang:time_to_first_token_seconds", "queue": "sglang:queue_time_seconds"},
+}
+STAGE = re.compile(r'^sglang:per_stage_req_latency_seconds_(sum|count)\{.*stage="([^"]+)"')
 
 
 class Engines:
-    """Starts a configuration's servers and sidecar; `hits` reads what they counted."""
+    """Starts a configuration's servers and sidecar; `counters` reads what the servers counted."""
 
     def __init__(self, a: argparse.Namespace, model: str, work: Path, window_blocks: int):
         self.a, self.model, self.work = a, model, work
         self.window_blocks = window_blocks  # distinct full blocks in the window
-        self.target = ""  # the running sidecar's
+        self.target = ""  # the running sidecar's gRPC target (set by sidecar())
 
     def host_pages(self, name: str) -> float:
         return 1.25 * self.window_blocks + 16 if name in ("hicache", "replicas") else self.window_blocks / 8
@@ -117,11 +129,19 @@ class Engines:
         return [self.sglang(stack, name, args, SGLANG_HOST_RATIO)], side
 
     def counters(self, urls: list[str]) -> dict[str, float]:
-        """Prompt tokens, and hit tokens from the engine's own cache and from the external one,
+        """Prompt tokens, hit tokens from the engine's own cache and from the external one, and
+        the sums and counts of the servers' timings (TIMINGS; SGLang's stages of a request),
         summed over `urls`."""
         out = {"prompt_tokens": 0.0, "local_hit_tokens": 0.0, "external_hit_tokens": 0.0}
         for url in urls:
             s = scrape(url)
+            for name, family in TIMINGS[self.a.engine].items():
+                for part in ("sum", "count"):
+                    out[f"{name}_{part}"] = out.get(f"{name}_{part}", 0.0) + total(s, f"{family}_{part}")
+            for key, value in s.items():
+                if match := STAGE.match(key):
+                    part, stage = match.groups()
+                    out[f"stage_{stage}_{part}"] = out.get(f"stage_{stage}_{part}", 0.0) + value
             if self.a.engine == "vllm":
                 got = (total(s, "vllm:prompt_tokens_total"), total(s, PREFIX_HITS), total(s, EXTERNAL_HITS))
             else:
@@ -147,13 +167,17 @@ def sidecar_counters(url: str | None) -> dict[str, int]:
 
 def run(engines: Engines, client: Client, name: str, trace: Path) -> dict[str, Any]:
     """One configuration: fresh servers, one AIPerf replay of `trace`, what each side counted."""
+    load = os.getloadavg()[0]  # the machine's, before this configuration's servers start
     with ExitStack() as stack:
         urls, side = engines.start(stack, name)
         before = engines.counters(urls)
         replay = client.profile(urls, engines.model, trace, engines.a.block_size, engines.work / f"aiperf-{name}")
         after = engines.counters(urls)
-        out: dict[str, Any] = replay.report()
-        out |= {key: after[key] - before[key] for key in after}
+        out: dict[str, Any] = replay.report() | {"load_1m_before": load}
+        delta = {key: after[key] - before.get(key, 0.0) for key in after}
+        sums = [key[: -len("_sum")] for key in delta if key.endswith("_sum")]
+        out["server_means_s"] = {k: delta[f"{k}_sum"] / delta[f"{k}_count"] for k in sums if delta.get(f"{k}_count")}
+        out |= {key: value for key, value in delta.items() if not key.endswith(("_sum", "_count"))}
         out["hicache_pages"] = sidecar_counters(side)
         out["prompt_lengths"] = replay.prompt_lengths()
         return out
