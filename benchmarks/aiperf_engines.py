@@ -149,7 +149,7 @@ class Engines:
                 local += total(s, "sglang:cached_tokens_total", cache_source="host")
                 storage = total(s, "sglang:cached_tokens_total", cache_source="storage")
                 got = (total(s, "sglang:prompt_tokens_total"), local, storage)
-            for key, value in zip(out, got, strict=True):
+            for key, value in zip(("prompt_tokens", "local_hit_tokens", "external_hit_tokens"), got, strict=True):
                 out[key] += value
         return out
 
