@@ -35,19 +35,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-for p in (
-    ROOT / "tests",
-    ROOT / "tests" / "integrations" / "vllm_server",
-    ROOT / "tests" / "integrations" / "sglang_server",
-):
-    sys.path.insert(0, str(p))
-
-import aiperf_engines  # noqa: E402
-import aiperf_trace  # noqa: E402
-from aiperf_client import AIPERF, Client  # noqa: E402
-from engines import SIZES, params  # noqa: E402
-from tiny_models import VOCAB, llama  # noqa: E402
+# isort: off
+from engines import SIZES, params  # first: it puts tests/ and the engines' server helpers on sys.path
+import aiperf_engines
+import aiperf_trace
+from aiperf_client import AIPERF, Client
+from tiny_models import VOCAB, llama
+# isort: on
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
