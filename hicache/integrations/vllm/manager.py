@@ -61,8 +61,10 @@ MAX_STEP_S = 30.0  # how long an answer waits for a scheduling pass (an idle eng
 
 
 # vLLM's calls into the manager that touch its state (not shutdown, which takes the lock itself)
-ENTRY_POINTS = ("lookup", "on_schedule_end", "has_pending_work", "prepare_load", "complete_load", "prepare_store")
-ENTRY_POINTS += ("complete_store", "take_events", "reset_cache")
+ENTRY_POINTS = (
+    "lookup", "on_schedule_end", "has_pending_work", "prepare_load", "complete_load", "prepare_store",
+    "complete_store", "take_events", "reset_cache",
+)  # fmt: skip
 
 
 @compat.locked_entry_points(ENTRY_POINTS)
