@@ -121,11 +121,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = llama(work / "bench", layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads)
         client = Client.prepare(Path(model), VOCAB, work / "hf", a.aiperf)
         engines = aiperf_engines.Engines(a, model, work, distinct_blocks(rows, a.block_size))
+        unbounded = aiperf_trace.lru_hit_tokens(rows, a.block_size, None)
         for name in names:
             res = aiperf_engines.run(engines, client, name, trace)
             lengths = res.pop("prompt_lengths")
             res["prompt_lengths_match"] = lengths == {i: row["input_length"] for i, row in enumerate(rows)}
-            unbounded = aiperf_trace.lru_hit_tokens(rows, a.block_size, None)
             res["missed_hit_tokens"] = unbounded - res["local_hit_tokens"]
             res["engine_lru_ceiling_tokens"] = aiperf_trace.reuse(rows, a.block_size, engine_capacity(a, name))[
                 "ceiling_tokens"

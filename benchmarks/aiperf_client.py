@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 AIPERF = Path(os.environ.get("HICACHE_AIPERF") or ROOT / ".venv-aiperf" / "bin" / "aiperf")
@@ -33,7 +34,7 @@ class Client:
     @classmethod
     def prepare(cls, model: Path, vocab: int, hf_home: Path, aiperf: Path = AIPERF) -> Client:
         """Writes the model's tokenizer (benchmarks/aiperf_tokenizer.py in AIPerf's environment).
-        Raises FileNotFoundError when AIPerf is missing, CalledProcessError when that fails."""
+        Raises FileNotFoundError when AIPerf is missing, RuntimeError when the script fails."""
         python = aiperf.parent / "python"
         if not aiperf.exists() or not python.exists():
             raise FileNotFoundError(f"{NEEDED}: no {aiperf}")
@@ -113,27 +114,16 @@ class Run:
         }
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
+Samples = list[tuple[str, dict[str, str], float]]  # name, labels, value
 
 
-def scrape(url: str) -> dict[str, float]:
-    """A Prometheus endpoint's samples, by name with its labels (`name{a="x"}`)."""
+def scrape(url: str) -> Samples:
+    """A Prometheus endpoint's samples (prometheus_client's parser, as the tests use)."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
         text = reply.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            key = match.group(1) + (match.group(2) or "")
-            out[key] = out.get(key, 0.0) + float(match.group(3))
-    return out
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
 
 
-def total(samples: dict[str, float], name: str, **labels: str) -> float:
+def total(samples: Samples, name: str, **labels: str) -> float:
     """The sum of `name`'s samples whose labels include `labels`."""
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(
-        value
-        for key, value in samples.items()
-        if key.partition("{")[0] == name and all(w in key.partition("{")[2] for w in want)
-    )
+    return sum(v for n, got, v in samples if n == name and all(got.get(k) == w for k, w in labels.items()))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -42,7 +41,7 @@ TIMINGS = {
     },
     "sglang": {"server_ttft": "sglang:time_to_first_token_seconds", "queue": "sglang:queue_time_seconds"},
 }
-STAGE = re.compile(r'^sglang:per_stage_req_latency_seconds_(sum|count)\{.*stage="([^"]+)"')
+STAGES = "sglang:per_stage_req_latency_seconds"  # SGLang's stages of a request, by label `stage`
 
 
 class Engines:
@@ -51,23 +50,21 @@ class Engines:
     def __init__(self, a: argparse.Namespace, model: str, work: Path, window_blocks: int):
         self.a, self.model, self.work = a, model, work
         self.window_blocks = window_blocks  # distinct full blocks in the window
-        self.target = ""  # the running sidecar's gRPC target (set by sidecar())
 
     def host_pages(self, name: str) -> float:
         return 1.25 * self.window_blocks + 16 if name in ("hicache", "replicas") else self.window_blocks / 8
 
     @contextmanager
-    def sidecar(self, name: str, pool_pages: int) -> Iterator[str]:
-        """A sidecar for configuration `name`; yields the URL of its /metrics."""
+    def sidecar(self, name: str, pool_pages: int) -> Iterator[tuple[str, str]]:
+        """A sidecar for configuration `name`; yields its gRPC target and the URL of its /metrics."""
         sockdir = tempfile.mkdtemp(prefix="hc")  # short: a socket path must fit in 108 bytes
         storage = ("--hicache-storage-backend", "none") if name in ("hicache", "replicas") else ()
         ratio, port = f"{self.host_pages(name) / pool_pages:g}", free_port()
         args = ("--hicache-ratio", ratio, "--kv-cache-dtype", self.a.dtype, "--metrics-port", str(port), *storage)
         side = Sidecar(sockdir, self.model, self.a.block_size, args)
         side.start()
-        self.target = side.target
         try:
-            yield f"http://127.0.0.1:{port}"
+            yield side.target, f"http://127.0.0.1:{port}"
         finally:
             side.stop()
             shutil.rmtree(sockdir, ignore_errors=True)
@@ -108,14 +105,14 @@ class Engines:
     def start(self, stack: ExitStack, name: str) -> tuple[list[str], str | None]:
         """The servers' URLs (and the sidecar's /metrics) of configuration `name`, stopped by
         `stack`."""
-        side = None
+        target = side = None
         if name not in ("engine", "hicachefile"):
             pool = self.a.engine_blocks
             if self.a.engine == "sglang":
                 pool = int(self.a.engine_blocks * SGLANG_HOST_RATIO)  # the pool it registers is its host tier
-            side = stack.enter_context(self.sidecar(name, pool))
+            target, side = stack.enter_context(self.sidecar(name, pool))
         if self.a.engine == "vllm":
-            kv = None if side is None else hicache_config(self.target)
+            kv = None if target is None else hicache_config(target)
             return [self.vllm(stack, name, kv, i) for i in range(2 if name == "replicas" else 1)], side
         if name == "engine":
             return [self.sglang(stack, name, (), None)], None
@@ -125,7 +122,8 @@ class Engines:
             extra = ("--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete")
             extra += ("--hicache-storage-backend-extra-config", json.dumps(config))
             return [self.sglang(stack, name, extra, SGLANG_HOST_RATIO)], None
-        args = hicache_args(self.target, prefetch_threshold=self.a.block_size)
+        assert target is not None
+        args = hicache_args(target, prefetch_threshold=self.a.block_size)
         return [self.sglang(stack, name, args, SGLANG_HOST_RATIO)], side
 
     def counters(self, urls: list[str]) -> dict[str, float]:
@@ -138,10 +136,10 @@ class Engines:
             for name, family in TIMINGS[self.a.engine].items():
                 for part in ("sum", "count"):
                     out[f"{name}_{part}"] = out.get(f"{name}_{part}", 0.0) + total(s, f"{family}_{part}")
-            for key, value in s.items():
-                if match := STAGE.match(key):
-                    part, stage = match.groups()
-                    out[f"stage_{stage}_{part}"] = out.get(f"stage_{stage}_{part}", 0.0) + value
+            for sample, labels, value in s:
+                if sample in (f"{STAGES}_sum", f"{STAGES}_count"):
+                    key = f"stage_{labels['stage']}_{sample.rpartition('_')[2]}"
+                    out[key] = out.get(key, 0.0) + value
             if self.a.engine == "vllm":
                 got = (total(s, "vllm:prompt_tokens_total"), total(s, PREFIX_HITS), total(s, EXTERNAL_HITS))
             else:
